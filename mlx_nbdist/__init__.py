@@ -1,0 +1,58 @@
+"""mlx_nbdist: interactive distributed MLX from a Jupyter notebook.
+
+``%load_ext mlx_nbdist``, then ``%mlxdist start -n 2`` and ``%%mlxdist`` cells run on
+every rank of one MLX distributed group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .api import current_session, start, stop
+from .errors import (
+    CellError,
+    CellInterrupted,
+    CollectiveTimeout,
+    MLXDistError,
+    NotStartedError,
+    SessionBrokenError,
+    SetupError,
+    ShardingError,
+    StartError,
+)
+from .results import CellResult, RankOutput
+from .session import Session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CellError",
+    "CellInterrupted",
+    "CellResult",
+    "CollectiveTimeout",
+    "MLXDistError",
+    "NotStartedError",
+    "RankOutput",
+    "Session",
+    "SessionBrokenError",
+    "SetupError",
+    "ShardingError",
+    "StartError",
+    "current_session",
+    "start",
+    "stop",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext mlx_nbdist``: register the magics and make them configurable."""
+    from .magics import MLXDist
+
+    magics = MLXDist(shell=ipython)
+    ipython.register_magics(magics)
+    if magics not in ipython.configurables:
+        ipython.configurables.append(magics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    stop()

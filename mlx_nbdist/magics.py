@@ -1,0 +1,266 @@
+"""The ``%mlxdist`` line magic and ``%%mlxdist`` cell magic: parse, call, display.
+
+Every command maps to a plain function or :class:`~mlx_nbdist.session.Session`
+method; this module only parses arguments and shows results. Defaults are traitlets
+settings, so ``%config MLXDist.timeout = 60`` changes the deadline of later cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import warnings
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from traitlets import Bool, Float, Unicode
+
+from . import api
+from .errors import MLXDistError, NotStartedError, SetupError
+from .session import Session
+from .viz.cells import display_cell
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises IPython's one-line UsageError instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message:
+            raise UsageError(message)
+        raise UsageError(self.format_help())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 rank, got {n}")
+    return n
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give ranks as numbers separated by commas, e.g. 0,2"
+        ) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if t < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0 means no deadline)")
+    return t
+
+
+def _line_parser() -> _Parser:
+    p = _Parser(prog="%mlxdist", add_help=False)
+    sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
+    start = sub.add_parser("start", help="start N ranks in one MLX group", add_help=False)
+    start.add_argument("-n", type=_positive_int, default=None, help="number of ranks")
+    start.add_argument("--backend", choices=("ring", "mpi"), default=None)
+    start.add_argument("--launcher", choices=("local", "mpi"), default=None)
+    for name in ("stop", "status", "cleanup"):
+        sub.add_parser(name, add_help=False)
+    restart = sub.add_parser("restart", add_help=False)
+    restart.add_argument("-n", type=_positive_int, default=None, help="change the number of ranks")
+    return p
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%mlxdist", add_help=False)
+    p.add_argument("--ranks", type=_ranks, default=None, help="run on these ranks only")
+    p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")
+    p.add_argument("--quiet", action="store_true", help="show only failing ranks")
+    p.add_argument("--check-collectives", action="store_true", default=None)
+    return p
+
+
+@magics_class
+class MLXDist(Magics):
+    """``%mlxdist`` / ``%%mlxdist``: interactive distributed MLX."""
+
+    n = Float(2, help="default number of ranks for %mlxdist start").tag(config=True)
+    backend = Unicode("ring", help="default MLX backend: ring or mpi").tag(config=True)
+    launcher = Unicode("", help="default launcher: local or mpi (empty: by backend)").tag(
+        config=True
+    )
+    timeout = Float(
+        300.0, help="default deadline of a %%mlxdist cell in seconds (0: none)"
+    ).tag(config=True)
+    start_timeout = Float(120.0, help="how long start may take").tag(config=True)
+    check_collectives = Bool(
+        False, help="check op/shape/dtype across ranks before each collective"
+    ).tag(config=True)
+
+    # -- entry point ----------------------------------------------------------------
+    @line_cell_magic
+    def mlxdist(self, line: str, cell: str | None = None) -> Any:
+        """Run a cell on every rank (cell magic) or manage the session (line magic).
+
+        Line: ``%mlxdist start -n N [--backend ring|mpi] [--launcher local|mpi]``,
+        ``stop``, ``restart``, ``status``, ``cleanup``.
+        Cell: ``%%mlxdist [--ranks 0,2] [--timeout S] [--quiet] [--check-collectives]``.
+        """
+        if cell is not None:
+            return self._cell(line, cell)
+        args = self._parse(_line_parser(), line)
+        if args.cmd is None:
+            raise UsageError(
+                "%mlxdist needs a command: start, stop, restart, status, cleanup "
+                "(or use %%mlxdist as a cell magic)"
+            )
+        return getattr(self, f"_cmd_{args.cmd}")(args)
+
+    @staticmethod
+    def _parse(parser: _Parser, line: str) -> argparse.Namespace:
+        try:
+            words = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"%mlxdist: {e}") from None
+        return parser.parse_args(words)
+
+    # -- line commands ---------------------------------------------------------------
+    def _cmd_start(self, args: argparse.Namespace) -> None:
+        n = args.n or int(self.n)
+        backend = args.backend or self.backend
+        launcher = args.launcher or self.launcher or ("mpi" if backend == "mpi" else "local")
+        s = api.current_session(required=False)
+        if s is not None and s.state != "stopped":
+            if s.n != n or s.backend != backend or s.launcher != launcher:
+                hint = (
+                    f"%mlxdist restart -n {n}"
+                    if (s.backend, s.launcher) == (backend, launcher)
+                    else "%mlxdist stop, then start again"
+                )
+                raise UsageError(
+                    f"a session of {s.n} ranks ({s.backend}/{s.launcher}) is already running; "
+                    f"to get {n} ranks ({backend}/{launcher}) use {hint}"
+                )
+            print(f"session {s.session_id} is already running: {_describe(s)}")
+            return
+        session = Session(
+            n,
+            backend=backend,
+            launcher=launcher,
+            timeout=self.timeout or None,
+            start_timeout=self.start_timeout,
+            check_collectives=self.check_collectives,
+        )
+        with _Progress() as progress, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self._guard(session.start, progress.update)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        api.set_current_session(session)
+        print(_describe(session, ranks=True))
+
+    def _cmd_stop(self, args: argparse.Namespace) -> None:
+        s = api.current_session(required=False)
+        if s is None or s.state == "stopped":
+            print("no session is running")
+            return
+        s.stop()
+        print(f"session {s.session_id} stopped")
+
+    def _cmd_restart(self, args: argparse.Namespace) -> None:
+        s = self._session(allow_stopped=True)
+        if args.n:
+            s.stop()
+            s.n = args.n
+        with _Progress() as progress:
+            self._guard(s.restart, progress.update)
+        print(_describe(s, ranks=True))
+
+    def _cmd_status(self, args: argparse.Namespace) -> None:
+        s = api.current_session(required=False)
+        if s is None:
+            print("no session (start one with %mlxdist start -n N)")
+            return
+        print(api.format_status(s.status()))
+
+    def _cmd_cleanup(self, args: argparse.Namespace) -> None:
+        from .session import cleanup
+
+        ended = cleanup()
+        print("\n".join(ended) if ended else "nothing to clean up")
+
+    # -- cell ---------------------------------------------------------------------------
+    def _cell(self, line: str, cell: str) -> None:
+        args = self._parse(_cell_parser(), line)
+        s = self._session()
+        timeout = self.timeout if args.timeout is None else args.timeout
+        try:
+            result = s.run(
+                cell,
+                ranks=args.ranks,
+                timeout=timeout or None,
+                check_collectives=args.check_collectives,
+            )
+        except ValueError as e:  # bad --ranks
+            raise UsageError(f"%%mlxdist: {e}") from None
+        except MLXDistError as e:
+            partial = getattr(e, "result", None)
+            if partial is not None:
+                display_cell(partial, quiet=args.quiet)
+            raise
+        display_cell(result, quiet=args.quiet)
+
+    def _session(self, allow_stopped: bool = False) -> Session:
+        try:
+            s = api.current_session()
+        except NotStartedError as e:
+            raise UsageError(str(e)) from None
+        if s.state == "stopped" and not allow_stopped:
+            raise UsageError("the session is stopped: run %mlxdist start -n N")
+        return s
+
+    @staticmethod
+    def _guard(fn: Any, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except SetupError as e:
+            raise UsageError(str(e)) from None
+
+
+def _describe(s: Session, ranks: bool = False) -> str:
+    head = (
+        f"MLX group ready: {s.n} ranks, backend={s.backend}, launcher={s.launcher}, "
+        f"session {s.session_id}"
+    )
+    if not ranks:
+        return head
+    lines = [head]
+    for r, info in s.ranks.items():
+        lines.append(f"  rank {r}: {info.device}, pid {info.pid}, engine {info.engine_id}")
+    return "\n".join(lines)
+
+
+class _Progress:
+    """One line that updates while the session starts (a display handle in Jupyter)."""
+
+    def __enter__(self) -> _Progress:
+        from IPython.display import display
+
+        self._handle = display({"text/plain": "starting…"}, raw=True, display_id=True)
+        return self
+
+    def update(self, message: str) -> None:
+        if self._handle is not None:
+            self._handle.update({"text/plain": message}, raw=True)
+        else:
+            print(message, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,244 @@
+"""Plain dataclasses that travel back from the ranks to the notebook.
+
+Nothing here imports MLX, ipyparallel or the session: these are values that the
+session produces and that :mod:`mlx_nbdist.viz` and the magics consume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: A rank's cell ended normally.
+OK = "ok"
+#: The user's code raised on that rank.
+ERROR = "error"
+#: The engine process died (``os._exit``, SIGKILL, segfault) while running the cell.
+DIED = "died"
+#: mlx_nbdist ended the rank because it was stuck (deadline, interrupt, failed drain).
+KILLED = "killed"
+#: The rank was stuck in a collective and was released by replaying it on its peers;
+#: it finished, but the values it computed in this cell are not meaningful.
+DRAINED = "drained"
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective a rank issued through MLX (recorded on the engine).
+
+    Attributes:
+        seq: 1-based sequence number of this collective on this rank since start.
+        op: ``all_sum``, ``all_gather``, ``all_max``, ``all_min``, ``sum_scatter``,
+            ``send``, ``recv`` or ``recv_like``.
+        shape: shape of the local input (``recv``: of the expected output).
+        dtype: MLX dtype name, e.g. ``float32``.
+        peer: the other rank for ``send``/``recv``, else ``None``.
+        nbytes: bytes of the local input.
+        cell: the cell number in which it was issued.
+    """
+
+    seq: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    peer: int | None = None
+    nbytes: int = 0
+    cell: int = 0
+
+    def describe(self) -> str:
+        peer = f" peer={self.peer}" if self.peer is not None else ""
+        return f"#{self.seq} {self.op}{peer} shape={tuple(self.shape)} dtype={self.dtype}"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CollectiveRecord:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "shape": tuple(d.get("shape", ()))})
+
+
+@dataclass
+class RankFailure:
+    """Why one rank did not finish a cell normally."""
+
+    rank: int
+    cause: str  # one of ERROR, DIED, KILLED, DRAINED
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+    #: Collectives the rank had issued in this cell and not seen matched (newest last).
+    pending: list[CollectiveRecord] = field(default_factory=list)
+
+    def headline(self) -> str:
+        if self.cause == ERROR:
+            return f"[rank {self.rank}] {self.ename}: {self.evalue}"
+        if self.cause == DIED:
+            return f"[rank {self.rank}] engine process died ({self.evalue or 'no exit status'})"
+        where = f" in {self.pending[-1].describe()}" if self.pending else ""
+        if self.cause == DRAINED:
+            return f"[rank {self.rank}] was stuck{where}; released by replaying it on its peers"
+        return f"[rank {self.rank}] ended by mlx_nbdist ({self.evalue}){where}"
+
+
+@dataclass
+class RankOutput:
+    """Everything one rank produced for one cell."""
+
+    rank: int
+    engine_id: int
+    status: str = OK
+    stdout: str = ""
+    stderr: str = ""
+    #: ``display_data`` messages: dicts with ``data`` (a MIME bundle) and ``metadata``.
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    #: MIME bundle of the cell's last expression, or ``None``.
+    result: dict[str, Any] | None = None
+    failure: RankFailure | None = None
+    duration: float | None = None
+
+    @property
+    def result_text(self) -> str | None:
+        """The ``text/plain`` form of the cell's last expression, if any."""
+        if self.result is None:
+            return None
+        return self.result.get("text/plain")
+
+
+@dataclass
+class CellResult:
+    """The outcome of one ``%%mlxdist`` cell across the ranks it ran on."""
+
+    cell: int
+    ranks: dict[int, RankOutput]
+    elapsed: float = 0.0
+    #: False when the values computed in this cell cannot be trusted (drained ranks).
+    valid: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == OK for o in self.ranks.values())
+
+    @property
+    def failures(self) -> list[RankFailure]:
+        return [o.failure for o in self.ranks.values() if o.failure is not None]
+
+    def stdout(self, rank: int) -> str:
+        return self.ranks[rank].stdout
+
+
+@dataclass
+class RankInfo:
+    """What a rank reported when it joined the group."""
+
+    rank: int
+    engine_id: int
+    pid: int
+    host: str
+    device: str
+    size: int
+    backend: str
+
+
+@dataclass
+class RankState:
+    """A live snapshot of one rank, read from its status file (see engine.monitor)."""
+
+    rank: int
+    pid: int = 0
+    state: str = "starting"  # starting | idle | busy | error | dead | broken
+    cell: int = 0
+    cell_started: float | None = None
+    last_duration: float | None = None
+    last_status: str | None = None
+    device: str = ""
+    active_memory: int = 0
+    peak_memory: int = 0
+    rss: int = 0
+    cpu_percent: float = 0.0
+    collectives: int = 0
+    bytes_moved: int = 0
+    recent: list[CollectiveRecord] = field(default_factory=list)
+    progress: dict[str, Any] = field(default_factory=dict)
+    updated: float = 0.0
+
+
+@dataclass
+class TensorSlice:
+    """The part of one (possibly sharded) tensor that one rank holds.
+
+    The rank's local array is the concatenation, along ``axis``, of the blocks
+    ``full[..., start:stop, ...]`` for each ``(start, stop)`` in ``ranges``. With
+    ``segments == 1`` there is one block; fused weights sharded with ``segments > 1``
+    (for example a fused QKV) give one block per segment. A replicated tensor has
+    ``axis is None`` and every rank holds the whole of it.
+
+    Attributes:
+        name: parameter path, e.g. ``layers.0.weight``.
+        rank: the rank holding this slice.
+        shape: the local shape on this rank.
+        full_shape: the shape of the unsharded tensor.
+        dtype: MLX dtype name of the local array.
+        axis: the sharded axis (non-negative), or ``None`` when replicated.
+        ranges: ``(start, stop)`` blocks along ``axis`` in the full tensor.
+        kind: ``sharded``, ``replicated`` or ``quantized`` (packed weights, scales, biases).
+        data: the local values as numpy (``None`` when only a summary was pulled).
+        summary: ``min``, ``max``, ``mean``, ``std``, ``norm`` of the local values.
+        sampled: True when ``data`` is a strided sample rather than the whole slice.
+    """
+
+    name: str
+    rank: int
+    shape: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    dtype: str
+    axis: int | None = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    kind: str = "sharded"
+    data: np.ndarray | None = None
+    summary: dict[str, float] = field(default_factory=dict)
+    sampled: bool = False
+
+    @property
+    def replicated(self) -> bool:
+        return self.axis is None
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = np.dtype(_NUMPY_NAMES.get(self.dtype, "float32")).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+
+_NUMPY_NAMES = {"bfloat16": "float16"}
+
+
+@dataclass
+class GradSample:
+    """One parameter's gradient on one rank, before and after synchronisation."""
+
+    name: str
+    rank: int
+    replicated: bool
+    norm_before: float
+    norm_after: float
+    #: max |after_r - after_0| over the elements (replicated parameters only, else 0).
+    max_diff_after: float = 0.0
+    shape: tuple[int, ...] = ()
+    #: collective that synchronised it (``all_sum`` …) and the bytes it moved on this rank.
+    collective: str = ""
+    nbytes: int = 0
+
+
+@dataclass
+class PlanRow:
+    """One row of a sharding plan: what a parameter becomes on each rank."""
+
+    path: str
+    layer: str
+    mode: str  # all-to-sharded | sharded-to-all | fsdp | replicated
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    axis: int | None
+    dtype: str
+    bytes_per_rank: int
+    collectives_per_step: str = ""
+    problem: str = ""
