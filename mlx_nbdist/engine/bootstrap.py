@@ -66,16 +66,22 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
             f"this MLX build has no '{backend}' distributed backend "
             f"(mlx {mx.__version__}); install mlx>=0.29 with distributed support"
         )
-    if backend == "ring":
-        os.environ["MLX_RANK"] = str(cfg["rank"])
-        os.environ["MLX_HOSTFILE"] = cfg["hostfile"]
-    world = mx.distributed.init(backend=backend, strict=True)
+    if size == 1:
+        # A group of one needs no backend (a ring of one cannot connect to itself):
+        # MLX's singleton group makes every collective the identity.
+        world = mx.distributed.init(strict=False)
+    else:
+        if backend == "ring":
+            os.environ["MLX_RANK"] = str(cfg["rank"])
+            os.environ["MLX_HOSTFILE"] = cfg["hostfile"]
+        world = mx.distributed.init(backend=backend, strict=True)
     rank = world.rank()
     if world.size() != size:
         raise RuntimeError(f"rank {rank}: MLX group has size {world.size()}, expected {size}")
     if backend == "ring" and rank != int(cfg["rank"]):
         raise RuntimeError(f"MLX gave rank {rank} to the engine told to be rank {cfg['rank']}")
-    _check_membership(mx, world, int(cfg["token"]), cfg["session_id"])
+    if size > 1:
+        _check_membership(mx, world, int(cfg["token"]), cfg["session_id"])
 
     tracker = Tracker(world, rank, size)
     tracker.install()

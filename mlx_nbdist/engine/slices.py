@@ -1,0 +1,139 @@
+"""Describe the slice of a (possibly sharded) tensor that this rank holds.
+
+Runs inside a rank. :func:`local_slice` returns one parameter's local values as numpy
+plus where they sit in the full tensor; :func:`model_shards` summarises every
+parameter of a model without pulling the values. The layout comes from
+:func:`mlx_nbdist.sharding.param_specs` (exact for layers sharded by
+:func:`mlx_nbdist.sharding.shard`, inferred from the layer class otherwise), so these
+functions issue no collective and each rank may call them alone.
+"""
+
+from __future__ import annotations
+
+import math
+from difflib import get_close_matches
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..results import TensorSlice
+from ..sharding import ParamSpec, param_specs
+
+__all__ = ["local_slice", "model_shards"]
+
+
+def local_slice(
+    obj: nn.Module | mx.array,
+    name: str,
+    *,
+    max_elements: int | None = None,
+    group: mx.distributed.Group | None = None,
+) -> TensorSlice:
+    """This rank's slice of one parameter, with its place in the full tensor.
+
+    Args:
+        obj: a model (``name`` is a parameter path such as ``layers.0.weight``), or
+            an ``mx.array`` (described as replicated, ``name`` is only a label).
+        name: the parameter path.
+        max_elements: when the slice holds more elements than this, ``data`` is a
+            strided sample (the same stride on every axis, so a 2-D weight still
+            looks like a weight) and ``sampled`` is True. ``None`` pulls everything.
+        group: the group the model was sharded over, for this rank's index and for
+            ``FullyShardedModule`` parameters; ``mx.distributed.init()`` when ``None``.
+
+    Returns:
+        A :class:`~mlx_nbdist.results.TensorSlice`; ``summary`` (min, max, mean,
+        std, norm, in float64) covers the whole local slice even when ``data`` is a
+        sample. bfloat16 values are converted through float32; quantized weights
+        are shown as their packed integers.
+
+    Raises:
+        KeyError: ``name`` is not a parameter of ``obj`` (close matches suggested).
+    """
+    group = group or mx.distributed.init()
+    if isinstance(obj, mx.array):
+        spec = ParamSpec(path=name, layer="array", mode="replicated", axis=None, segments=1,
+                         group_size=1, full_shape=tuple(obj.shape),
+                         local_shape=tuple(obj.shape), dtype=_dtype_name(obj.dtype),
+                         kind="replicated", rank=group.rank())
+        return _describe(spec, obj, group.rank(), max_elements, with_data=True)
+    params = dict(tree_flatten(obj.parameters()))
+    if name not in params:
+        close = get_close_matches(name, list(params), n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else (
+            f"; parameters: {', '.join(list(params)[:20])}" + (" …" if len(params) > 20 else ""))
+        raise KeyError(f"{name!r} is not a parameter of {type(obj).__name__}{hint}")
+    spec = param_specs(obj, group_size=group.size(), rank=group.rank())[name]
+    return _describe(spec, params[name], group.rank(), max_elements, with_data=True)
+
+
+def model_shards(
+    model: nn.Module, *, group: mx.distributed.Group | None = None
+) -> list[TensorSlice]:
+    """Summaries (no values) of this rank's slice of every parameter of ``model``.
+
+    Args:
+        model: the (possibly sharded) model.
+        group: as in :func:`local_slice`.
+
+    Returns:
+        One :class:`~mlx_nbdist.results.TensorSlice` per parameter (trainable or
+        frozen), in model order, with ``data=None``.
+    """
+    group = group or mx.distributed.init()
+    params = dict(tree_flatten(model.parameters()))
+    specs = param_specs(model, group_size=group.size(), rank=group.rank())
+    return [_describe(spec, params[path], group.rank(), None, with_data=False)
+            for path, spec in specs.items()]
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _describe(
+    spec: ParamSpec, arr: mx.array, default_rank: int, max_elements: int | None,
+    *, with_data: bool,
+) -> TensorSlice:
+    values = _to_numpy(arr)
+    data = None
+    sampled = False
+    if with_data:
+        data, sampled = _sample(values, max_elements)
+    rank = spec.rank if spec.rank is not None else default_rank
+    return TensorSlice(
+        name=spec.path, rank=rank, shape=tuple(arr.shape), full_shape=tuple(spec.full_shape),
+        dtype=_dtype_name(arr.dtype), axis=spec.axis, ranges=spec.ranges(), kind=spec.kind,
+        data=data, summary=_summary(values), sampled=sampled,
+    )
+
+
+def _to_numpy(arr: mx.array) -> np.ndarray:
+    if arr.dtype == mx.bfloat16:
+        arr = arr.astype(mx.float32)
+    return np.asarray(arr)
+
+
+def _sample(values: np.ndarray, max_elements: int | None) -> tuple[np.ndarray, bool]:
+    """A strided view with at most ``max_elements`` elements (one stride for all axes)."""
+    if max_elements is None or values.size <= max_elements:
+        return np.array(values, copy=True), False
+    limit = max(int(max_elements), 1)
+    stride = max(1, int(math.ceil((values.size / limit) ** (1 / max(values.ndim, 1)))))
+    while math.prod(-(-d // stride) for d in values.shape) > limit:
+        stride += 1
+    return np.ascontiguousarray(values[(slice(None, None, stride),) * values.ndim]), True
+
+
+def _summary(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        nan = float("nan")
+        return {"min": nan, "max": nan, "mean": nan, "std": nan, "norm": 0.0}
+    mean = float(values.mean(dtype=np.float64))
+    std = float(values.std(dtype=np.float64))
+    # sum(x^2) = n * (var + mean^2): the norm without a float64 copy of the slice.
+    norm = math.sqrt(max(values.size * (std * std + mean * mean), 0.0))
+    return {"min": float(values.min()), "max": float(values.max()), "mean": mean,
+            "std": std, "norm": norm}

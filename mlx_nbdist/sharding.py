@@ -1,0 +1,906 @@
+"""Plan and apply tensor-parallel or fully-sharded layouts with MLX's own API.
+
+Two public functions run inside a rank:
+
+* :func:`plan` describes, before anything moves, what every parameter of a model
+  becomes on each rank (a :class:`ShardPlan` of :class:`~mlx_nbdist.results.PlanRow`),
+  and collects every problem at once: dimensions not divisible by the group size,
+  layouts whose outputs will not equal the unsharded model.
+* :func:`shard` checks the plan and applies it through ``mlx.nn.layers.distributed``
+  only (``shard_linear``, ``AllToShardedLinear.from_linear``,
+  ``ShardedToAllLinear.from_linear``, the ``Quantized*.from_quantized_linear``
+  constructors, ``fully_shard`` and ``shard_inplace``): no sharding math is
+  reimplemented here.
+
+``sharding`` is one of:
+
+``"all-to-sharded"`` / ``"sharded-to-all"``
+    every ``Linear``/``QuantizedLinear`` becomes that layer type.
+``"megatron"``
+    consecutive ``Linear`` layers, in the order they are defined in the model
+    (attribute order, then list order), alternate all-to-sharded / sharded-to-all, so
+    each pair costs one ``all_sum`` in the forward and one in the backward. Layers
+    that run in parallel (attention's q/k/v) need a mapping instead.
+``"fsdp"``
+    the whole model is wrapped with ``fully_shard`` (every parameter split on axis 0,
+    all_gather in the forward, sum_scatter in the backward).
+``"inplace-all-to-sharded"`` / ``"inplace-sharded-to-all"``
+    MLX's ``shard_inplace``: the parameters are sliced but the layers stay ``Linear``
+    and insert no collective, so the outputs are wrong unless the forward sums itself.
+a mapping ``{layer path or glob: mode}``
+    mode per ``Linear``/``QuantizedLinear`` layer; modes are the two TP modes, the
+    two inplace modes and ``"replicated"`` (or ``None``). Exact paths win over globs.
+
+Sharded layers remember how they were sharded (mode, segments, full shapes) in an
+attribute, so :mod:`mlx_nbdist.engine.slices` can describe any rank's slice later;
+layers sharded by hand are described from their class (see :func:`param_specs`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.nn.layers import distributed as mxd
+from mlx.utils import tree_flatten
+
+from .errors import ShardingError
+from .results import PlanRow
+
+__all__ = [
+    "ParamSpec",
+    "ShardPlan",
+    "has_sum_scatter",
+    "param_specs",
+    "plan",
+    "shard",
+]
+
+A2S = "all-to-sharded"
+S2A = "sharded-to-all"
+FSDP = "fsdp"
+REPLICATED = "replicated"
+INPLACE_A2S = "inplace-all-to-sharded"
+INPLACE_S2A = "inplace-sharded-to-all"
+_TP_MODES = (A2S, S2A)
+_INPLACE = {INPLACE_A2S: A2S, INPLACE_S2A: S2A}
+_LAYER_MODES = (*_TP_MODES, *_INPLACE, REPLICATED)
+STRATEGIES = (A2S, S2A, "megatron", FSDP, INPLACE_A2S, INPLACE_S2A)
+
+_META_ATTR = "_nbdist_shard"
+_TP_CLASSES: dict[type, str] = {
+    mxd.AllToShardedLinear: A2S,
+    mxd.QuantizedAllToShardedLinear: A2S,
+    mxd.ShardedToAllLinear: S2A,
+    mxd.QuantizedShardedToAllLinear: S2A,
+}
+_QUANTIZED_CLASSES = (
+    nn.QuantizedLinear,
+    mxd.QuantizedAllToShardedLinear,
+    mxd.QuantizedShardedToAllLinear,
+)
+_QUANTIZED_PARAMS = ("weight", "scales", "biases")
+_INPLACE_WARNING = (
+    "shard_inplace only slices the parameters: the layers stay Linear and insert no "
+    "collective, so the model's outputs will NOT equal the unsharded model unless the "
+    "forward sums the partial results itself (mx.distributed.all_sum). Use 'megatron' "
+    "or the 'all-to-sharded'/'sharded-to-all' modes for layers that communicate."
+)
+NO_SUM_SCATTER = (
+    "this MLX distributed backend does not implement sum_scatter (MLX 0.32's ring and mpi "
+    "CPU backends do not), so the fsdp forward works but its backward, i.e. any gradient "
+    "or training step, will raise; use a backend with sum_scatter (nccl) to train"
+)
+
+
+@dataclass(frozen=True)
+class _LayerShard:
+    """What :func:`shard` did to one layer (kept as an attribute on the layer)."""
+
+    mode: str
+    segments: int
+    #: full (unsharded) shape of each parameter, keyed by the path inside the layer.
+    full_shapes: dict[str, tuple[int, ...]]
+    group_size: int
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter is laid out across the ranks.
+
+    Attributes:
+        path: parameter path in the model, e.g. ``layers.0.weight``.
+        layer: class name of the module that owns the parameter.
+        mode: ``all-to-sharded``, ``sharded-to-all``, ``fsdp``, ``inplace-…`` or
+            ``replicated`` (the mode of the owning layer; a sharded-to-all bias has
+            this layer mode but ``axis is None``).
+        axis: the sharded axis (non-negative) or ``None`` when every rank holds it all.
+        segments: number of fused segments the axis was split in (1 normally).
+        group_size: number of ranks the parameter is split over (1 when replicated).
+        full_shape: shape of the unsharded parameter.
+        local_shape: shape on each rank.
+        dtype: MLX dtype name.
+        kind: ``sharded``, ``replicated`` or ``quantized`` (packed weight, scales, biases).
+        rank: this rank's index in the sharding group, when known.
+    """
+
+    path: str
+    layer: str
+    mode: str
+    axis: int | None
+    segments: int
+    group_size: int
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    rank: int | None = None
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` blocks of the full tensor along ``axis`` held by ``rank``.
+
+        Returns:
+            One block per segment; empty for replicated parameters or unknown rank.
+        """
+        if self.axis is None or self.rank is None:
+            return []
+        full = self.full_shape[self.axis]
+        seg = full // self.segments
+        block = seg // self.group_size
+        return [
+            (s * seg + self.rank * block, s * seg + (self.rank + 1) * block)
+            for s in range(self.segments)
+        ]
+
+
+@dataclass
+class ShardPlan:
+    """A sharding plan: one row per parameter, and what is wrong with it.
+
+    Plain data (picklable) so it can travel from a rank to the notebook.
+
+    Attributes:
+        sharding: the requested strategy (a mapping is kept as a dict of strings).
+        group_size: number of ranks planned for.
+        segments: fused segments per sharded axis.
+        rows: one :class:`PlanRow` per parameter, in model order.
+        problems: errors that make :func:`shard` refuse the plan (see :meth:`check`).
+        warnings: layouts that will run but whose outputs are probably not what the
+            user expects (inplace sharding, sharded activations leaking out…).
+        layer_modes: mode chosen for each layer that :func:`shard` will convert.
+    """
+
+    sharding: str | dict[str, str | None]
+    group_size: int
+    segments: int
+    rows: list[PlanRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    layer_modes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when :meth:`check` would not raise."""
+        return not self.problems
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Parameter bytes each rank holds after sharding."""
+        return sum(r.bytes_per_rank for r in self.rows)
+
+    def check(self) -> ShardPlan:
+        """Raise if the plan cannot be applied.
+
+        Returns:
+            The plan itself, so ``plan(...).check()`` can be chained.
+
+        Raises:
+            ShardingError: listing every problem (every offending parameter).
+        """
+        if self.problems:
+            head = (
+                f"cannot shard with {self._strategy_text()} across {self.group_size} "
+                f"ranks: {len(self.problems)} problem(s)"
+            )
+            raise ShardingError("\n  - ".join([head, *self.problems]))
+        return self
+
+    def _strategy_text(self) -> str:
+        return repr(self.sharding) if isinstance(self.sharding, dict) else f"'{self.sharding}'"
+
+    def __str__(self) -> str:
+        headers = ("path", "layer", "mode", "full", "per rank", "axis", "dtype", "bytes/rank",
+                   "collectives/step", "problem")
+        table = [
+            (
+                r.path, r.layer, r.mode, _shape_text(r.full_shape), _shape_text(r.local_shape),
+                "-" if r.axis is None else str(r.axis), r.dtype, f"{r.bytes_per_rank:,}",
+                r.collectives_per_step, r.problem,
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h)
+                  for i, h in enumerate(headers)]
+        lines = [
+            f"ShardPlan {self._strategy_text()} over {self.group_size} ranks"
+            + (f", segments={self.segments}" if self.segments != 1 else "")
+            + f": {len(self.rows)} parameters, {self.bytes_per_rank:,} bytes per rank",
+            "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
+        ]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip()
+                  for t in table]
+        if any(r.layer.startswith("Quantized") for r in self.rows):
+            lines.append("quantized weights are packed (uint32 holds 32/bits values); "
+                         "scales/biases have input_dims/group_size columns")
+        lines += [f"PROBLEM: {p}" for p in self.problems]
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- walking
+
+
+@dataclass
+class _Node:
+    path: str
+    module: nn.Module
+    parent: Any  # the Module, dict or list that holds it (None for the root)
+    key: Any  # its key or index in ``parent``
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _walk(model: nn.Module) -> list[_Node]:
+    """Every module in definition order (pre-order; attributes, then list items)."""
+    nodes: list[_Node] = []
+
+    def visit(value: Any, path: str, parent: Any, key: Any) -> None:
+        if isinstance(value, nn.Module):
+            nodes.append(_Node(path, value, parent, key))
+            items = value.items()
+        elif isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            return
+        for k, v in items:
+            if isinstance(v, (dict, list)):
+                visit(v, _join(path, k), value, k)
+
+    visit(model, "", None, None)
+    return nodes
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.QuantizedLinear))
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def _nbytes(shape: tuple[int, ...], dtype: mx.Dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.size
+
+
+def _direct_params(node: _Node, nodes_by_path: dict[str, _Node]) -> list[tuple[str, mx.array]]:
+    """Parameters owned by this module (not by a child module), with full paths."""
+    out = []
+    for key, arr in tree_flatten(node.module.parameters()):
+        path = _join(node.path, key)
+        if _owner_path(path, nodes_by_path) == node.path:
+            out.append((path, arr))
+    return out
+
+
+def _owner_path(param_path: str, nodes_by_path: dict[str, _Node]) -> str:
+    parts = param_path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in nodes_by_path:
+            return candidate
+    return ""
+
+
+def _tp_axis(mode: str, name: str, ndim: int) -> int | None:
+    """The axis MLX's predicates shard ``name`` on (see ``mxd._all_to_sharded``)."""
+    if mode == A2S:
+        return ndim - 1 if name.endswith("bias") else max(ndim - 2, 0)
+    if name.endswith("bias"):
+        return None
+    return ndim - 1
+
+
+def _kind(module: nn.Module, name: str, axis: int | None) -> str:
+    if isinstance(module, _QUANTIZED_CLASSES) and name in _QUANTIZED_PARAMS:
+        return "quantized"
+    return "replicated" if axis is None else "sharded"
+
+
+def _fsdp_ancestor(path: str, nodes_by_path: dict[str, _Node]) -> _Node | None:
+    parts = path.split(".") if path else []
+    for i in range(len(parts) + 1):
+        node = nodes_by_path.get(".".join(parts[:i]))
+        if node is not None and isinstance(node.module, mxd.FullyShardedModule):
+            return node
+    return None
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def param_specs(
+    model: nn.Module, *, group_size: int | None = None, rank: int | None = None
+) -> dict[str, ParamSpec]:
+    """Describe how every parameter of ``model`` is laid out now.
+
+    Layers sharded by :func:`shard` carry their exact metadata (mode, segments, full
+    shapes). Otherwise the layout is inferred from the layer class:
+    ``AllToShardedLinear`` shards weight on axis 0 and bias on its last axis,
+    ``ShardedToAllLinear`` shards weight on its last axis and replicates the bias
+    (the quantized classes do the same for weight, scales and biases), everything
+    under a ``FullyShardedModule`` is split on axis 0, and all other parameters are
+    replicated. Inferred layouts assume ``segments == 1``. A plain ``Linear`` that
+    the user sliced with ``shard_inplace`` directly cannot be told apart from an
+    unsharded one and is reported as replicated.
+
+    Args:
+        model: the (possibly sharded) model.
+        group_size: ranks for parameters under a ``FullyShardedModule`` (which does
+            not keep its group); tensor-parallel layers use their own ``group``.
+            Defaults to the size of ``mx.distributed.init()``.
+        rank: this rank's index, stored in the specs so that
+            :meth:`ParamSpec.ranges` works; tensor-parallel layers use their group's.
+
+    Returns:
+        ``{parameter path: ParamSpec}`` in model order.
+    """
+    nodes = _walk(model)
+    by_path = {n.path: n for n in nodes}
+    specs: dict[str, ParamSpec] = {}
+    for node in nodes:
+        for path, arr in _direct_params(node, by_path):
+            specs[path] = _spec_for(path, arr, node, by_path, group_size, rank)
+    return specs
+
+
+def _default_group_size(group_size: int | None) -> int:
+    return group_size if group_size is not None else mx.distributed.init().size()
+
+
+def _spec_for(
+    path: str,
+    arr: mx.array,
+    node: _Node,
+    by_path: dict[str, _Node],
+    group_size: int | None,
+    rank: int | None,
+) -> ParamSpec:
+    module = node.module
+    name = path[len(node.path) + 1:] if node.path else path
+    local = tuple(arr.shape)
+    common = {"path": path, "layer": type(module).__name__, "local_shape": local,
+              "dtype": _dtype_name(arr.dtype)}
+
+    wrapper = _fsdp_ancestor(node.path, by_path)
+    if wrapper is not None:
+        meta = getattr(wrapper.module, _META_ATTR, None)
+        rel = path[len(wrapper.path) + 1:] if wrapper.path else path
+        if meta is not None and rel in meta.full_shapes:
+            n = meta.group_size
+            full = meta.full_shapes[rel]
+        else:
+            n = _default_group_size(group_size)
+            full = (local[0] * n, *local[1:])
+        return ParamSpec(mode=FSDP, axis=0, segments=1, group_size=n, full_shape=full,
+                         kind=_kind(module, name, 0), rank=rank, **common)
+
+    meta = getattr(module, _META_ATTR, None)
+    tp_mode = _TP_CLASSES.get(type(module))
+    if meta is not None:
+        mode, segments, n = meta.mode, meta.segments, meta.group_size
+        full = meta.full_shapes.get(name, local)
+    elif tp_mode is not None:
+        mode, segments, n = tp_mode, 1, module.group.size()
+        full = None
+    else:
+        return ParamSpec(mode=REPLICATED, axis=None, segments=1, group_size=1,
+                         full_shape=local, kind=_kind(module, name, None), rank=rank,
+                         **common)
+
+    axis = _tp_axis(_INPLACE.get(mode, mode), name, len(local))
+    if full is None:
+        full = local if axis is None else tuple(
+            d * n if i == axis else d for i, d in enumerate(local))
+    layer_group = getattr(module, "group", None)
+    if layer_group is not None and not isinstance(layer_group, (int, str)):
+        rank = layer_group.rank()
+    return ParamSpec(mode=mode, axis=axis, segments=segments,
+                     group_size=n if axis is not None else 1, full_shape=full,
+                     kind=_kind(module, name, axis), rank=rank, **common)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan(
+    model: nn.Module,
+    sharding: str | Mapping[str, str | None] = "megatron",
+    *,
+    group_size: int,
+    segments: int = 1,
+) -> ShardPlan:
+    """Describe what :func:`shard` would do, without touching the model.
+
+    Needs no distributed group: only the number of ranks.
+
+    Args:
+        model: the unsharded (or partly hand-sharded) model.
+        sharding: a strategy name (see the module docstring) or a mapping
+            ``{layer path or glob: mode}``.
+        group_size: the number of ranks to plan for.
+        segments: fused segments per sharded axis (e.g. 3 for a fused QKV weight);
+            every sharded dimension must be divisible by ``group_size * segments``.
+
+    Returns:
+        The :class:`ShardPlan`; dimension problems are collected in
+        ``plan.problems`` (call ``.check()`` to raise), suspicious layouts in
+        ``plan.warnings``.
+
+    Raises:
+        ShardingError: for an unknown strategy or mode, a mapping that names paths
+            that are not in the model or modules that are not linear layers, or
+            invalid ``group_size``/``segments``.
+    """
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ShardingError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        raise ShardingError(
+            f"segments must be a positive int, got {segments!r} "
+            "(fractional segment lists are not supported by mlx_nbdist)")
+    nodes = _walk(model)
+    by_path = {n.path: n for n in nodes}
+    key = dict(sharding) if isinstance(sharding, Mapping) else sharding
+    result = ShardPlan(sharding=key, group_size=group_size, segments=segments)
+
+    if isinstance(model, mxd.FullyShardedModule) or sharding == FSDP:
+        _plan_fsdp(model, nodes, by_path, result)
+        return result
+    if isinstance(sharding, Mapping):
+        modes = _resolve_mapping(sharding, nodes)
+    elif sharding in STRATEGIES:
+        modes = _resolve_strategy(sharding, nodes)
+    else:
+        raise ShardingError(
+            f"unknown sharding {sharding!r}; use one of {', '.join(STRATEGIES)} "
+            "or a mapping {layer path or glob: mode}")
+    result.layer_modes = {p: m for p, m in modes.items() if m != REPLICATED}
+    _plan_layers(nodes, by_path, modes, result)
+    _flag_flow(nodes, by_path, modes, result)
+    return result
+
+
+def _resolve_strategy(sharding: str, nodes: list[_Node]) -> dict[str, str]:
+    """Mode for every plain linear layer (hand-sharded layers keep theirs)."""
+    modes: dict[str, str] = {}
+    if sharding != "megatron":
+        for n in nodes:
+            if _convertible(n.module):
+                modes[n.path] = sharding
+        return modes
+    expect = A2S
+    for n in nodes:
+        current = _current_mode(n.module)
+        if current in _TP_MODES:
+            expect = S2A if current == A2S else A2S
+        elif _convertible(n.module):
+            modes[n.path] = expect
+            expect = S2A if expect == A2S else A2S
+    return modes
+
+
+def _convertible(module: nn.Module) -> bool:
+    return _is_linear(module) and getattr(module, _META_ATTR, None) is None
+
+
+def _current_mode(module: nn.Module) -> str | None:
+    meta = getattr(module, _META_ATTR, None)
+    if meta is not None:
+        return meta.mode
+    return _TP_CLASSES.get(type(module))
+
+
+def _resolve_mapping(mapping: Mapping[str, str | None], nodes: list[_Node]) -> dict[str, str]:
+    by_path = {n.path: n for n in nodes}
+    linear_paths = [n.path for n in nodes if _is_linear(n.module)]
+    errors: list[str] = []
+    modes: dict[str, str] = {}
+    from_glob: dict[str, tuple[str, str]] = {}
+    valid = ", ".join(linear_paths) or "(none)"
+
+    for pattern, raw_mode in mapping.items():
+        mode = REPLICATED if raw_mode is None else raw_mode
+        if mode not in _LAYER_MODES:
+            errors.append(f"{pattern!r}: unknown mode {raw_mode!r}; use one of "
+                          f"{', '.join(_LAYER_MODES)}")
+            continue
+        if not any(ch in pattern for ch in "*?["):
+            node = by_path.get(pattern)
+            if node is None:
+                hint = ""
+                owner = pattern.rsplit(".", 1)[0]
+                if owner in by_path and _is_linear(by_path[owner].module):
+                    hint = f" (name the layer {owner!r}, not its parameter)"
+                errors.append(f"unknown path {pattern!r}{hint}; valid Linear paths: {valid}")
+            elif not _is_linear(node.module):
+                errors.append(f"{pattern!r} is a {type(node.module).__name__}, not a "
+                              f"Linear or QuantizedLinear; valid Linear paths: {valid}")
+            else:
+                modes[pattern] = mode
+            continue
+        matched = [p for p in linear_paths if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            others = [f"{n.path} ({type(n.module).__name__})" for n in nodes
+                      if n.path and fnmatch.fnmatchcase(n.path, pattern)]
+            what = (f"matches no Linear layer, only {', '.join(others)}" if others
+                    else "matches no path in the model")
+            errors.append(f"{pattern!r} {what}; valid Linear paths: {valid}")
+            continue
+        for p in matched:
+            prev = from_glob.get(p)
+            if prev is not None and prev[1] != mode and p not in mapping:
+                errors.append(f"{p!r} matches {prev[0]!r} ({prev[1]}) and {pattern!r} "
+                              f"({mode}); name it exactly to choose")
+            from_glob[p] = (pattern, mode)
+
+    for p, (_, mode) in from_glob.items():
+        modes.setdefault(p, mode)
+    for p, mode in modes.items():
+        current = _current_mode(by_path[p].module)
+        if current is not None and mode != current:
+            errors.append(f"{p!r} is already sharded ({type(by_path[p].module).__name__}, "
+                          f"{current}); it cannot become {mode}")
+    if errors:
+        raise ShardingError("invalid sharding mapping:\n  - " + "\n  - ".join(errors))
+    return {p: m for p, m in modes.items() if _convertible(by_path[p].module)}
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims) of a linear layer, unpacking quantized weights."""
+    out_dims, in_dims = module.weight.shape[-2:]
+    if isinstance(module, _QUANTIZED_CLASSES):
+        in_dims = in_dims * 32 // module.bits
+    return in_dims, out_dims
+
+
+def _layer_label(module: nn.Module, mode: str) -> str:
+    name = type(module).__name__
+    if isinstance(module, nn.QuantizedLinear):
+        name += f"[{module.bits}bit,g{module.group_size},{getattr(module, 'mode', 'affine')}]"
+    if mode in _TP_MODES:
+        quant = "Quantized" if isinstance(module, nn.QuantizedLinear) else ""
+        target = "AllToShardedLinear" if mode == A2S else "ShardedToAllLinear"
+        return f"{name} -> {quant}{target}"
+    if mode in _INPLACE:
+        return f"{name} (shard_inplace)"
+    return name
+
+
+def _layer_collective(module: nn.Module, mode: str) -> str:
+    if mode not in _TP_MODES and mode not in _INPLACE:
+        return ""
+    in_dims, out_dims = _linear_dims(module)
+    if mode == A2S:
+        return f"bwd all_sum of input grad (..., {in_dims})"
+    if mode == S2A:
+        return f"fwd all_sum (..., {out_dims})"
+    return "none (no collective inserted!)"
+
+
+def _plan_layers(
+    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, str], result: ShardPlan
+) -> None:
+    n_ranks, k = result.group_size, result.segments
+    inplace_rows = []
+    for node in nodes:
+        params = _direct_params(node, by_path)
+        if not params:
+            continue
+        new_mode = modes.get(node.path)
+        first = True
+        for path, arr in params:
+            if new_mode is None:
+                row = _existing_row(path, arr, node, by_path, n_ranks)
+            else:
+                row = _new_row(path, arr, node, new_mode, n_ranks, k, result)
+                if first:
+                    row.collectives_per_step = _layer_collective(node.module, new_mode)
+                if new_mode in _INPLACE:
+                    inplace_rows.append(path)
+            first = False
+            result.rows.append(row)
+    if inplace_rows:
+        result.warnings.append(
+            f"{len(inplace_rows)} parameter(s) sliced with shard_inplace "
+            f"({', '.join(sorted({p.rsplit('.', 1)[0] for p in inplace_rows}))}): "
+            + _INPLACE_WARNING)
+
+
+def _existing_row(
+    path: str, arr: mx.array, node: _Node, by_path: dict[str, _Node], n_ranks: int
+) -> PlanRow:
+    spec = _spec_for(path, arr, node, by_path, n_ranks, None)
+    mode = spec.mode
+    collective = ""
+    if mode in _TP_MODES and path.endswith(".weight"):
+        collective = _layer_collective(node.module, mode)
+    return PlanRow(path=path, layer=type(node.module).__name__, mode=mode,
+                   full_shape=spec.full_shape, local_shape=spec.local_shape, axis=spec.axis,
+                   dtype=spec.dtype, bytes_per_rank=_nbytes(spec.local_shape, arr.dtype),
+                   collectives_per_step=collective)
+
+
+def _new_row(
+    path: str, arr: mx.array, node: _Node, mode: str, n_ranks: int, k: int, result: ShardPlan
+) -> PlanRow:
+    name = path[len(node.path) + 1:] if node.path else path
+    full = tuple(arr.shape)
+    axis = _tp_axis(_INPLACE.get(mode, mode), name, len(full))
+    local = full
+    problem = ""
+    if axis is not None:
+        local = tuple(d // n_ranks if i == axis else d for i, d in enumerate(full))
+        if full[axis] % (n_ranks * k):
+            problem = _divisibility_problem(path, full, axis, n_ranks, k, node.module, name)
+            result.problems.append(problem)
+    if mode in _INPLACE and not problem:
+        problem = "WARNING: outputs will not equal the full model (no collective)"
+    return PlanRow(path=path, layer=_layer_label(node.module, mode), mode=mode,
+                   full_shape=full, local_shape=local, axis=axis,
+                   dtype=_dtype_name(arr.dtype), bytes_per_rank=_nbytes(local, arr.dtype),
+                   problem=problem)
+
+
+def _divisibility_problem(
+    path: str, shape: tuple[int, ...], axis: int, n_ranks: int, k: int,
+    module: nn.Module, name: str,
+) -> str:
+    by = f"group size {n_ranks}" + (f" x segments {k} = {n_ranks * k}" if k > 1 else "")
+    text = f"{path}: shape {shape}, axis {axis} (size {shape[axis]}) is not divisible by {by}"
+    if isinstance(module, nn.QuantizedLinear) and name in _QUANTIZED_PARAMS:
+        what = "packed uint32 columns" if name == "weight" else "columns = input_dims/group_size"
+        if axis == len(shape) - 1:
+            text += f" ({what}, quantization group_size {module.group_size})"
+    return text
+
+
+def _plan_fsdp(
+    model: nn.Module, nodes: list[_Node], by_path: dict[str, _Node], result: ShardPlan
+) -> None:
+    n_ranks = result.group_size
+    if isinstance(model, mxd.FullyShardedModule):
+        if result.sharding != FSDP:
+            result.problems.append(
+                f"the model is already a FullyShardedModule; it cannot also be sharded "
+                f"with {result._strategy_text()}")
+        for node in nodes:
+            for path, arr in _direct_params(node, by_path):
+                result.rows.append(_existing_row(path, arr, node, by_path, n_ranks))
+        return
+    if result.segments != 1:
+        result.problems.append("fsdp does not take segments (fully_shard splits axis 0 evenly)")
+    tp = [n.path for n in nodes if _current_mode(n.module) is not None]
+    if tp:
+        result.problems.append(
+            f"fsdp over tensor-parallel or shard_inplace layers is not supported: {', '.join(tp)}")
+    for node in nodes:
+        for path, arr in _direct_params(node, by_path):
+            full = tuple(arr.shape)
+            problem = ""
+            if not full:
+                problem = f"{path}: a scalar parameter cannot be split on axis 0"
+            elif full[0] % n_ranks:
+                problem = (f"{path}: shape {full}, axis 0 (size {full[0]}) is not divisible "
+                           f"by group size {n_ranks}")
+            if problem:
+                result.problems.append(problem)
+            local = (full[0] // n_ranks, *full[1:]) if full else full
+            result.rows.append(PlanRow(
+                path=path, layer=f"{type(node.module).__name__} (FullyShardedModule)",
+                mode=FSDP, full_shape=full, local_shape=local, axis=0 if full else None,
+                dtype=_dtype_name(arr.dtype), bytes_per_rank=_nbytes(local, arr.dtype),
+                collectives_per_step="fwd all_gather + bwd sum_scatter", problem=problem))
+
+
+def _flag_flow(
+    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, str], result: ShardPlan
+) -> None:
+    """Warn where, in definition order, sharded activations meet the wrong layer.
+
+    The check assumes the forward calls the layers in the order they are defined,
+    which holds for ``nn.Sequential`` and most MLPs but not for parallel branches.
+    """
+    tp_modes = {p: _INPLACE.get(m, m) for p, m in modes.items() if m != REPLICATED}
+    for node in nodes:
+        current = _current_mode(node.module)
+        if current is not None and node.path not in tp_modes:
+            tp_modes[node.path] = _INPLACE.get(current, current)
+    if not tp_modes:
+        return
+    sharded_by: str | None = None  # the all-to-sharded layer whose output is sharded
+    last_full = "the model input"
+    for node in nodes:
+        if not _direct_params(node, by_path):
+            continue
+        mode = tp_modes.get(node.path)
+        where = node.path or "(root)"
+        if mode == A2S:
+            if sharded_by is not None:
+                result.warnings.append(
+                    f"{where} is all-to-sharded but its input is still sharded by "
+                    f"{sharded_by} (no sharded-to-all in between)")
+            sharded_by = where
+        elif mode == S2A:
+            if sharded_by is None:
+                result.warnings.append(
+                    f"{where} is sharded-to-all and expects a sharded input, but it follows "
+                    f"{last_full}, which is whole on every rank")
+            sharded_by = None
+            last_full = where
+        elif sharded_by is not None:
+            result.warnings.append(
+                f"{where} ({type(node.module).__name__}, replicated) sits after "
+                f"all-to-sharded {sharded_by}: it sees only 1/{result.group_size} of the "
+                "features on each rank")
+        else:
+            last_full = where
+    if sharded_by is not None:
+        result.warnings.append(
+            f"the last sharded layer {sharded_by} is all-to-sharded: the model output "
+            "stays split across ranks (each rank holds a slice of the features)")
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def shard(
+    model: nn.Module,
+    sharding: str | Mapping[str, str | None] = "megatron",
+    *,
+    group: mx.distributed.Group | None = None,
+    segments: int = 1,
+    check_identical: bool = True,
+) -> nn.Module:
+    """Shard ``model`` across ``group`` with MLX's own distributed layers.
+
+    Runs ``plan(...).check()`` first, so nothing moves when any parameter cannot be
+    split. Linear layers are replaced in their parents (attributes, ``nn.Sequential``
+    ``layers`` lists, dict and list children) by the layers ``shard_linear`` builds;
+    inplace modes slice the parameters with ``shard_inplace`` (and warn); ``"fsdp"``
+    wraps the model with ``fully_shard``. Every rank must call this together, with
+    identical model parameters (seed before building): MLX slices each rank's local
+    copy, so different copies give a silently wrong model. ``check_identical``
+    verifies that with one small ``all_gather`` of per-parameter checksums.
+
+    Args:
+        model: the model to shard; it is modified (children replaced) in place.
+        sharding: a strategy name or ``{layer path or glob: mode}`` (see module doc).
+        group: the group to shard across; ``mx.distributed.init()`` when ``None``.
+        segments: fused segments per sharded axis (not for ``"fsdp"``).
+        check_identical: compare the not-yet-sharded parameters across ranks first.
+
+    Returns:
+        The sharded model: ``model`` itself, the new layer when ``model`` is a single
+        Linear, or the ``FullyShardedModule`` wrapper for ``"fsdp"``.
+
+    Raises:
+        ShardingError: when the plan has problems (every offending parameter listed),
+            or when ranks hold different values for a parameter.
+    """
+    group = group or mx.distributed.init()
+    n_ranks = group.size()
+    the_plan = plan(model, sharding, group_size=n_ranks, segments=segments).check()
+    if check_identical and n_ranks > 1:
+        _check_identical(model, group)
+
+    if isinstance(model, mxd.FullyShardedModule):
+        return model
+    if sharding == FSDP:
+        full = {p: tuple(a.shape) for p, a in tree_flatten(model.parameters())}
+        wrapped = mxd.fully_shard(model, group=group)
+        if wrapped is not model:
+            wrapped._nbdist_shard = _LayerShard(
+                FSDP, 1, {f"module.{p}": s for p, s in full.items()}, n_ranks)
+            if not has_sum_scatter(group):
+                warnings.warn(f"mlx_nbdist.shard: {NO_SUM_SCATTER}", UserWarning, stacklevel=2)
+        return wrapped
+
+    inplace = sorted(p for p, m in the_plan.layer_modes.items() if m in _INPLACE)
+    if inplace:
+        warnings.warn(f"mlx_nbdist.shard: {', '.join(inplace)}: {_INPLACE_WARNING}",
+                      UserWarning, stacklevel=2)
+    by_path = {n.path: n for n in _walk(model)}
+    root = model
+    for path, mode in the_plan.layer_modes.items():
+        node = by_path[path]
+        new = _shard_layer(node.module, mode, group, segments, n_ranks)
+        if new is node.module:
+            continue
+        if node.parent is None:
+            root = new
+        else:
+            node.parent[node.key] = new
+    return root
+
+
+def _check_identical(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Raise on every rank when a replicated parameter differs from rank 0's."""
+    specs = param_specs(model, group_size=group.size())
+    params = dict(tree_flatten(model.parameters()))
+    paths = [p for p, spec in specs.items() if spec.axis is None]
+    if not paths:
+        return
+    sums = []
+    for p in paths:
+        a = params[p].astype(mx.float32).reshape(-1)
+        sums += [mx.sum(a), mx.sum(a * a)]
+    gathered = mx.distributed.all_gather(mx.stack(sums)[None], group=group)
+    table = np.array(gathered, dtype=np.float64)  # (ranks, 2 * len(paths))
+    tol = 1e-5 * np.maximum(np.abs(table[0]), 1.0)
+    differ = np.abs(table - table[0]) > tol
+    bad = [(p, sorted(int(r) for r in np.nonzero(differ[:, 2 * i] | differ[:, 2 * i + 1])[0]))
+           for i, p in enumerate(paths)]
+    bad = [(p, ranks) for p, ranks in bad if ranks]
+    if bad:
+        listed = "\n  - ".join(f"{p}: ranks {ranks} differ from rank 0" for p, ranks in bad)
+        raise ShardingError(
+            f"{len(bad)} parameter(s) are not identical on every rank, so sharding would "
+            "mix different models; call mx.random.seed(same value) on every rank before "
+            f"building the model (or load the same weights):\n  - {listed}")
+
+
+@lru_cache
+def has_sum_scatter(group: mx.distributed.Group) -> bool:
+    """Whether ``group``'s backend implements ``sum_scatter`` (FSDP's backward).
+
+    A collective: every rank of ``group`` must call it together (the answer is
+    cached per group). Backends without it raise the same error on every rank, which
+    leaves the group usable.
+    """
+    if group.size() == 1:
+        return True
+    try:
+        mx.eval(mx.distributed.sum_scatter(mx.zeros((group.size(),)), group=group))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _shard_layer(
+    layer: nn.Module, mode: str, group: mx.distributed.Group, segments: int, n_ranks: int
+) -> nn.Module:
+    full = {p: tuple(a.shape) for p, a in tree_flatten(layer.parameters())}
+    if mode in _INPLACE:
+        mxd.shard_inplace(layer, _INPLACE[mode], segments=segments, group=group)
+        new = layer
+    else:
+        new = mxd.shard_linear(layer, mode, segments=segments, group=group)
+    new._nbdist_shard = _LayerShard(mode, segments, full, n_ranks)
+    return new

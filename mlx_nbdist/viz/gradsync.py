@@ -1,0 +1,370 @@
+"""Pictures and text of gradient synchronisation across the ranks of a group.
+
+Consumes :class:`~mlx_nbdist.results.GradSample` lists: one sample per parameter
+and rank, with the gradient norm before and after synchronisation, how far the
+synchronised gradient of a replicated parameter differs from rank 0's, and which
+collective moved how many bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib import colors as mcolors
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from mlx_nbdist.results import GradSample
+from mlx_nbdist.viz.sharding import NotebookFigure, _text_table, human_bytes, rank_color
+
+#: Default tolerance of :func:`desynced`, relative to the gradient's RMS element.
+DEFAULT_TOL = 1e-6
+
+DESYNC_COLOR = "#e00000"
+_OK_COLOR = "#4c9a2a"
+_SHARDED_COLOR = "#c8c8c8"
+_LOG_SPAN = 1e3
+
+
+@dataclass(frozen=True)
+class _Check:
+    """The synchronisation verdict for one parameter."""
+
+    name: str
+    replicated: bool
+    max_diff: float
+    threshold: float
+    flagged: bool
+
+
+def _params(samples: Sequence[GradSample]) -> list[str]:
+    return list(dict.fromkeys(s.name for s in samples))
+
+
+def _ranks(samples: Sequence[GradSample]) -> list[int]:
+    return sorted({s.rank for s in samples})
+
+
+def _index(samples: Sequence[GradSample]) -> dict[tuple[str, int], GradSample]:
+    return {(s.name, s.rank): s for s in samples}
+
+
+def _check(name: str, group: Sequence[GradSample], tol: float) -> _Check:
+    replicated = any(s.replicated for s in group)
+    diffs = [float(s.max_diff_after) for s in group]
+    diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+    norm = max(float(s.norm_after) for s in group)
+    numel = next((int(np.prod(s.shape)) for s in group if s.shape), 0)
+    scale = norm / math.sqrt(numel) if numel else norm
+    threshold = tol * scale if math.isfinite(scale) and scale > 0 else 0.0
+    flagged = replicated and (math.isnan(diff) or diff > threshold)
+    return _Check(name, replicated, diff, threshold, flagged)
+
+
+def _checks(samples: Sequence[GradSample], tol: float) -> list[_Check]:
+    return [_check(n, [s for s in samples if s.name == n], tol) for n in _params(samples)]
+
+
+def desynced(samples: list[GradSample], tol: float = DEFAULT_TOL) -> list[str]:
+    """Names of replicated parameters whose synchronised gradients differ across ranks.
+
+    A replicated parameter is flagged when the largest ``max_diff_after`` over the
+    ranks exceeds ``tol`` times the root-mean-square element of the synchronised
+    gradient (``norm_after / sqrt(numel)``, or ``norm_after`` when the shape is
+    unknown); when that gradient is all zero any difference is flagged, and so is NaN.
+
+    Args:
+        samples: one sample per parameter and rank.
+        tol: relative tolerance.
+
+    Returns:
+        The flagged names, in the order they first appear in ``samples``.
+    """
+    return [c.name for c in _checks(samples, tol) if c.flagged]
+
+
+# --------------------------------------------------------------------------- figure
+
+
+def _lighten(color: tuple[float, ...], amount: float = 0.6) -> tuple[float, float, float]:
+    r, g, b = mcolors.to_rgb(color)
+    return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
+
+
+def _slots(i: int, j: int, nranks: int) -> tuple[float, float]:
+    """(left edge, width) of rank ``j``'s slot in the group of parameter ``i``."""
+    width = 0.8 / nranks
+    return i - 0.4 + j * width, width
+
+
+def _draw_norms(
+    ax: Axes, samples: Sequence[GradSample], params: list[str], ranks: list[int]
+) -> None:
+    """Grouped bars: per rank, the norm before (light, hatched) and after (solid)."""
+    index = _index(samples)
+    for j, rank in enumerate(ranks):
+        color = rank_color(rank)
+        for i, name in enumerate(params):
+            s = index.get((name, rank))
+            if s is None:
+                continue
+            left, width = _slots(i, j, len(ranks))
+            before = ax.bar(
+                left + width * 0.27,
+                s.norm_before,
+                width * 0.46,
+                color=_lighten(color),
+                edgecolor=color,
+                hatch="////",
+                linewidth=0.8,
+            )
+            after = ax.bar(
+                left + width * 0.73,
+                s.norm_after,
+                width * 0.46,
+                color=color,
+                edgecolor="black",
+                linewidth=0.5,
+            )
+            before.patches[0].set_gid(f"before:{name}:r{rank}")
+            after.patches[0].set_gid(f"after:{name}:r{rank}")
+    positive = [v for s in samples for v in (s.norm_before, s.norm_after) if v > 0]
+    if positive and max(positive) / min(positive) > _LOG_SPAN:
+        ax.set_yscale("log")
+    ax.set_ylabel("gradient norm", fontsize=8)
+    ax.set_title("per-rank gradient norm: before sync (hatched) vs after (solid)", fontsize=9)
+    handles = [Patch(facecolor=rank_color(r), edgecolor="black", label=f"rank {r}") for r in ranks]
+    handles += [
+        Patch(facecolor="white", edgecolor="0.3", hatch="////", label="before sync"),
+        Patch(facecolor="0.3", edgecolor="black", label="after sync"),
+    ]
+    ax.legend(
+        handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False
+    )
+
+
+def _draw_diffs(ax: Axes, checks: Sequence[_Check], tol: float) -> None:
+    """Max element difference between ranks after sync, desynced parameters in red."""
+    top = max((c.max_diff for c in checks if math.isfinite(c.max_diff)), default=0.0)
+    top = top if top > 0 else 1.0
+    for i, c in enumerate(checks):
+        height = c.max_diff if math.isfinite(c.max_diff) else top
+        color = DESYNC_COLOR if c.flagged else (_OK_COLOR if c.replicated else _SHARDED_COLOR)
+        bar = ax.bar(
+            i, height if c.replicated else 0.0, 0.6, color=color, edgecolor="black", linewidth=0.5
+        )
+        bar.patches[0].set_gid(f"maxdiff:{c.name}")
+        ax.text(
+            i,
+            height if c.replicated else 0.0,
+            _diff_text(c),
+            ha="center",
+            va="bottom",
+            fontsize=8 if c.flagged else 7,
+            color=DESYNC_COLOR if c.flagged else "0.35",
+            fontweight="bold" if c.flagged else "normal",
+            gid=f"difftext:{c.name}",
+        )
+    ax.set_ylim(0, top * 1.45)
+    ax.set_ylabel("max |g_r - g_0|\nafter sync", fontsize=8)
+    ax.set_title(f"replicas after sync (flagged above {tol:g} x RMS of the gradient)", fontsize=9)
+
+
+def _diff_text(c: _Check) -> str:
+    if not c.replicated:
+        return "sharded"
+    if c.flagged:
+        return f"DESYNC\n{c.max_diff:.3g}"
+    return "0" if c.max_diff == 0 else f"{c.max_diff:.2g}"
+
+
+def _short_op(collective: str) -> str:
+    """``all_sum / 4 (average_gradients)`` -> ``all_sum``."""
+    words = re.split(r"[\s(;]", collective.strip(), maxsplit=1)
+    return words[0] or "none"
+
+
+def _draw_bytes(
+    ax: Axes, samples: Sequence[GradSample], params: list[str], ranks: list[int]
+) -> None:
+    """Per parameter and rank, the bytes the synchronising collective moved."""
+    index = _index(samples)
+    group_pt = ax.get_figure().get_size_inches()[0] * 72 * 0.8 / max(len(params), 1)
+    for i, name in enumerate(params):
+        group = [index[(name, r)] for r in ranks if (name, r) in index]
+        for s in group:
+            left, width = _slots(i, ranks.index(s.rank), len(ranks))
+            bar = ax.bar(
+                left + width / 2,
+                s.nbytes,
+                width * 0.85,
+                color=rank_color(s.rank),
+                edgecolor="black",
+                linewidth=0.5,
+            )
+            bar.patches[0].set_gid(f"bytes:{name}:r{s.rank}")
+        ops = sorted({_short_op(s.collective) for s in group})
+        text = "/".join(ops)
+        ax.text(
+            i,
+            max((s.nbytes for s in group), default=0),
+            text,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            rotation=90 if len(text) * 4.5 > group_pt else 0,
+            color=DESYNC_COLOR if len(ops) > 1 else "0.2",
+            gid=f"collective:{name}",
+        )
+    positive = [s.nbytes for s in samples if s.nbytes > 0]
+    if positive and max(positive) / min(positive) > _LOG_SPAN / 10:
+        ax.set_yscale("log", base=4)
+        ax.set_ylim(min(positive) / 2, max(positive) * 8)
+    else:
+        ax.margins(y=0.25)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: human_bytes(v)))
+    ax.set_ylabel("bytes moved", fontsize=8)
+    ax.set_title("collective and bytes per parameter and rank", fontsize=9)
+    _collective_legend(ax, samples)
+
+
+def _collective_legend(ax: Axes, samples: Sequence[GradSample]) -> None:
+    """List the full description of each collective beside the panel."""
+    described = sorted({s.collective for s in samples if s.collective})
+    if not described:
+        return
+    handles = [Patch(visible=False, label=textwrap.fill(d, 42)) for d in described]
+    ax.legend(
+        handles=handles,
+        fontsize=6.5,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+        handlelength=0,
+        handletextpad=0,
+        title="collectives",
+        title_fontsize=7,
+        alignment="left",
+    )
+
+
+def _label_params(ax: Axes, checks: Sequence[_Check]) -> None:
+    ax.set_xticks(range(len(checks)))
+    ax.set_xticklabels(
+        [f"{c.name} [DESYNC]" if c.flagged else c.name for c in checks],
+        rotation=30,
+        ha="right",
+        fontsize=8,
+    )
+    for label, c in zip(ax.get_xticklabels(), checks, strict=True):
+        if c.flagged:
+            label.set_color(DESYNC_COLOR)
+            label.set_fontweight("bold")
+    ax.set_xlim(-0.6, len(checks) - 0.4)
+
+
+def _heading(checks: Sequence[_Check], nranks: int, tol: float) -> tuple[str, bool]:
+    bad = [c.name for c in checks if c.flagged]
+    head = f"gradient sync: {len(checks)} parameters on {nranks} ranks"
+    if bad:
+        return f"{head}\nDESYNC in {len(bad)}: {', '.join(bad)}", True
+    replicated = sum(1 for c in checks if c.replicated)
+    return f"{head}\nall {replicated} replicated gradients agree across ranks (tol {tol:g})", False
+
+
+def gradsync_figure(samples: list[GradSample], *, tol: float = DEFAULT_TOL) -> Figure:
+    """Draw how gradients were synchronised across ranks.
+
+    Three panels share the parameter axis: per-rank gradient norms before and after
+    synchronisation; the largest element difference between ranks after
+    synchronisation (replicated parameters that differ beyond ``tol`` are drawn red,
+    with the value and ``DESYNC``); and the bytes each rank's collective moved.
+
+    Args:
+        samples: one sample per parameter and rank.
+        tol: relative tolerance, see :func:`desynced`.
+
+    Returns:
+        The new figure.
+
+    Raises:
+        ValueError: ``samples`` is empty.
+    """
+    if not samples:
+        raise ValueError("no gradient samples to show")
+    params, ranks = _params(samples), _ranks(samples)
+    checks = _checks(samples, tol)
+    width = min(28.0, max(8.0, 2.5 + len(params) * (0.35 + 0.2 * len(ranks))))
+    fig = NotebookFigure(figsize=(width, 8.5), layout="constrained")
+    axes = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]})
+    _draw_norms(axes[0], samples, params, ranks)
+    _draw_diffs(axes[1], checks, tol)
+    _draw_bytes(axes[2], samples, params, ranks)
+    _label_params(axes[2], checks)
+    for ax in axes:
+        ax.tick_params(labelsize=7)
+    heading, bad = _heading(checks, len(ranks), tol)
+    fig.suptitle(heading, fontsize=10, color=DESYNC_COLOR if bad else "black")
+    return fig
+
+
+# --------------------------------------------------------------------------- text
+
+
+def format_gradsync(samples: list[GradSample], *, tol: float = DEFAULT_TOL) -> str:
+    """Gradient synchronisation as a text table, for terminals.
+
+    Args:
+        samples: one sample per parameter and rank.
+        tol: relative tolerance, see :func:`desynced`.
+
+    Returns:
+        One row per parameter and rank (kind, norms before and after, max diff,
+        collective, bytes, check) and a verdict line naming desynced parameters.
+    """
+    checks = {c.name: c for c in _checks(samples, tol)}
+    order = {n: i for i, n in enumerate(checks)}
+    rows = []
+    for s in sorted(samples, key=lambda s: (order[s.name], s.rank)):
+        c = checks[s.name]
+        verdict = "DESYNC" if c.flagged else ("ok" if c.replicated else "-")
+        rows.append(
+            [
+                s.name,
+                "replicated" if s.replicated else "sharded",
+                str(s.rank),
+                f"{s.norm_before:.6g}",
+                f"{s.norm_after:.6g}",
+                f"{s.max_diff_after:.3g}",
+                s.collective or "-",
+                human_bytes(s.nbytes),
+                verdict,
+            ]
+        )
+    headers = (
+        "parameter",
+        "kind",
+        "rank",
+        "norm before",
+        "norm after",
+        "max diff",
+        "collective",
+        "bytes",
+        "check",
+    )
+    lines = _text_table(headers, rows, align="llrrrrlrl")
+    bad = [c for c in checks.values() if c.flagged]
+    if bad:
+        names = ", ".join(f"{c.name} (max diff {c.max_diff:.3g})" for c in bad)
+        lines.append(f"DESYNC (tol {tol:g} relative): {names}")
+    else:
+        n = sum(1 for c in checks.values() if c.replicated)
+        lines.append(f"OK: all {n} replicated parameters agree across ranks (tol {tol:g})")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Shared fixtures: real sessions (real engines, a real MLX group) and leak checks."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from mlx_nbdist import Session
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def descendants() -> list[psutil.Process]:
+    """Processes this test run started (children of pytest, at any depth)."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """PIDs still running after ``timeout`` seconds."""
+    t_end = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < t_end:
+        alive = [p for p in alive if psutil.pid_exists(p) and not _zombie(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def listening_ports() -> set[int]:
+    return {
+        c.laddr.port
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr
+    }
+
+
+def session_ports(s: Session) -> set[int]:
+    """The loopback ports a session's engines and controller listen on."""
+    out: set[int] = set()
+    for info in s.ranks.values():
+        try:
+            for c in psutil.Process(info.pid).net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.add(c.laddr.port)
+        except psutil.Error:
+            pass
+    cpid = s._controller_pid()
+    if cpid:
+        try:
+            out |= {
+                c.laddr.port
+                for c in psutil.Process(cpid).net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            }
+        except psutil.Error:
+            pass
+    return out
+
+
+def session_pids(s: Session) -> list[int]:
+    return [pid for pid, _ in s._recorded_pids()]
+
+
+@pytest.fixture(scope="module")
+def session2() -> Iterator[Session]:
+    s = Session(2, timeout=60).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def fresh2() -> Iterator[Session]:
+    """A session of its own, for tests that break it."""
+    s = Session(2, timeout=60).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_leftovers() -> Iterator[None]:
+    yield
+    left = [p for p in descendants() if _is_ours(p)]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left running after the tests: {[p.pid for p in left]}"
+
+
+def _is_ours(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return any(k in cmd for k in ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun"))

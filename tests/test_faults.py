@@ -1,0 +1,218 @@
+"""Fault injection: no cell can hang the notebook.
+
+Every test injects a real fault into a real 2-rank MLX ring group and checks that
+the cell ends within a bound, that the error names the rank and the cause, and that
+``restart`` (when needed) gives a working group again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from mlx_nbdist import CellError, CellInterrupted, CollectiveTimeout, Session, SessionBrokenError
+from mlx_nbdist.results import DIED, DRAINED, ERROR, KILLED
+
+from .conftest import session_pids, wait_gone
+
+ALL_SUM_OK = "y = mx.distributed.all_sum(mx.ones(3) * (rank + 1), group=world); print(y.tolist())"
+
+
+def assert_works(s: Session) -> None:
+    r = s.run(ALL_SUM_OK, timeout=30)
+    expected = [float(sum(range(1, s.n + 1)))] * 3
+    for k in range(s.n):
+        assert r.stdout(k).strip() == str(expected)
+
+
+def test_rank_raising_before_all_sum_is_drained_and_session_survives(fresh2: Session) -> None:
+    code = "if rank == 1:\n    raise RuntimeError('rank one fails')\nmx.eval(mx.distributed.all_sum(mx.ones(5), group=world))"
+    t0 = time.monotonic()
+    with pytest.raises(CellError) as info:
+        fresh2.run(code, timeout=60)
+    assert time.monotonic() - t0 < 15
+    err = info.value
+    assert err.failures[0].rank == 1 and err.failures[0].cause == ERROR  # the cause first
+    assert err.result.ranks[0].status == DRAINED
+    assert "Drained" in err.summary and "all_sum shape=(5,)" in err.summary
+    assert not err.result.valid
+    assert fresh2.state == "ready"
+    assert_works(fresh2)
+
+
+def test_stuck_rank_that_cannot_be_drained_is_ended_then_restart(fresh2: Session) -> None:
+    # rank 1 builds the all_sum lazily but raises before evaluating it: rank 0 waits
+    # in a collective that rank 1 issued, so replaying cannot help.
+    code = (
+        "y = mx.distributed.all_sum(mx.ones(2), group=world)\n"
+        "if rank == 1:\n    raise ValueError('after issuing')\n"
+        "mx.eval(y)"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(CellError) as info:
+        fresh2.run(code, timeout=60)
+    assert time.monotonic() - t0 < 20
+    err = info.value
+    assert err.result.ranks[1].status == ERROR
+    assert err.result.ranks[0].status == KILLED
+    assert "broken" in str(err) and "restart" in str(err)
+    assert fresh2.state == "broken"
+    with pytest.raises(SessionBrokenError, match="restart"):
+        fresh2.run("1")
+    old = dict(fresh2.ranks)
+    fresh2.restart()
+    assert sorted(fresh2.ranks) == [0, 1]
+    assert {r: i.pid for r, i in fresh2.ranks.items()} != {r: i.pid for r, i in old.items()}
+    assert_works(fresh2)
+    assert wait_gone([i.pid for i in old.values()]) == []
+
+
+def test_deadline_ends_stuck_ranks_and_names_their_collectives(fresh2: Session) -> None:
+    code = "import time\nif rank == 1:\n    time.sleep(600)\nmx.eval(mx.distributed.all_sum(mx.ones((2, 3)), group=world))"
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        fresh2.run(code, timeout=3)
+    assert time.monotonic() - t0 < 12
+    text = str(info.value) + "\n".join(info.value._render_traceback_())
+    assert "deadline of 3 s" in text and "--timeout" in text
+    assert "all_sum shape=(2, 3) dtype=float32" in text
+    assert fresh2.state == "broken"
+    fresh2.restart()
+    assert_works(fresh2)
+
+
+def test_rank_that_exits_is_reported_dead(fresh2: Session) -> None:
+    code = "import os\nif rank == 1:\n    os._exit(3)\nmx.eval(mx.distributed.all_sum(mx.ones(2), group=world))"
+    t0 = time.monotonic()
+    with pytest.raises(CellError) as info:
+        fresh2.run(code, timeout=60)
+    assert time.monotonic() - t0 < 15
+    statuses = {r: o.status for r, o in info.value.result.ranks.items()}
+    assert statuses[1] == DIED
+    assert statuses[0] in (ERROR, KILLED)  # "connection to a peer was lost", or ended
+    assert "[rank 1] engine process died" in str(info.value)
+    assert fresh2.status().alive[1] is False
+    assert fresh2.rank_states()[1].state == "dead"
+    fresh2.restart()
+    assert_works(fresh2)
+
+
+def test_engine_killed_from_outside_mid_cell(fresh2: Session) -> None:
+    victim = fresh2.ranks[0].pid
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(CellError) as info:
+        fresh2.run("import time\ntime.sleep(120)", timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert info.value.result.ranks[0].status == DIED
+    assert fresh2.state == "broken"
+    fresh2.restart()
+    assert_works(fresh2)
+
+
+def test_interrupt_during_hung_collective(fresh2: Session) -> None:
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CellInterrupted) as info:
+            fresh2.run(
+                "import time\nif rank == 1:\n    time.sleep(600)\n"
+                "mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))",
+                timeout=120,
+            )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t0 < 10
+    assert "restart" in str(info.value)
+    fresh2.restart()
+    assert_works(fresh2)
+
+
+def test_mismatched_shapes_are_caught_with_check_collectives(session2: Session) -> None:
+    code = "n = 4 if rank == 0 else 3\nmx.eval(mx.distributed.all_sum(mx.ones(n), group=world))"
+    with pytest.raises(CellError) as info:
+        session2.run(code, check_collectives=True, timeout=30)
+    for f in info.value.failures:
+        assert f.ename == "CollectiveError"
+        assert "rank 0: all_sum shape=(4,)" in f.evalue and "rank 1: all_sum shape=(3,)" in f.evalue
+    assert session2.state == "ready"
+    assert_works(session2)
+
+
+def test_kernel_death_leaves_nothing_running(tmp_path) -> None:
+    """A client process killed with SIGKILL: its engines and controller go too."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "client.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from mlx_nbdist import Session\n"
+        "s = Session(2).start()\n"
+        "print(json.dumps([p for p, _ in s._recorded_pids()]), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = __import__("json").loads(line)
+        assert len(pids) >= 3
+        proc.kill()
+        proc.wait(10)
+        assert wait_gone(pids, timeout=20) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_stale_rank_on_an_old_port_does_not_join_a_new_session(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from mlx_nbdist import launch
+
+    ports = launch.free_ports(2)
+    hostfile = launch.write_hostfile(tmp_path / "old.json", ports)
+    env = dict(os.environ, MLX_RANK="1", MLX_HOSTFILE=str(hostfile))
+    stale = subprocess.Popen(
+        [sys.executable, "-c", "import mlx.core as mx; mx.distributed.init(backend='ring', strict=True)"],
+        env=env,
+    )
+    try:
+        time.sleep(1.0)
+        with Session(2) as s:
+            used = {int(h[0].split(":")[1]) for h in json.loads((s.directory / "hostfile.json").read_text())}
+            assert ports[1] not in used  # the stale rank's port is never reused
+            assert_works(s)
+            assert stale.poll() is None  # still waiting on its own ring, not in ours
+    finally:
+        stale.kill()
+        stale.wait(10)
+
+
+def test_soak_many_cells_and_restarts_leak_nothing() -> None:
+    me = psutil.Process()
+    with Session(2) as s:
+        assert_works(s)
+        fds0, threads0 = me.num_fds(), me.num_threads()
+        for i in range(200):
+            r = s.run(f"v = mx.distributed.all_sum(mx.array([{i}.0]), group=world).item()\nv")
+            assert r.ranks[1].result_text == str(2.0 * i)
+        for _ in range(2):
+            old = session_pids(s)
+            s.restart()
+            assert wait_gone(old) == []
+            assert_works(s)
+        assert me.num_fds() <= fds0 + 20
+        assert me.num_threads() <= threads0 + 4

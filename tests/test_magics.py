@@ -1,0 +1,111 @@
+"""The magics through a real IPython InteractiveShell and a real 2-rank group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from mlx_nbdist import CellError, api
+
+from .conftest import strip_ansi
+
+
+@pytest.fixture(scope="module")
+def ip() -> Iterator[InteractiveShell]:
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mlx_nbdist")
+    yield shell
+    shell.run_line_magic("mlxdist", "stop")
+    api.set_current_session(None)
+
+
+def run(ip: InteractiveShell, cell: str, capfd: pytest.CaptureFixture[str]) -> tuple:
+    result = ip.run_cell(cell)
+    out, err = capfd.readouterr()
+    return result, strip_ansi(out), strip_ansi(err)
+
+
+def test_cell_magic_before_start_is_a_usage_error(ip, capfd) -> None:
+    api.set_current_session(None)
+    res, out, err = run(ip, "%%mlxdist\nprint(1)", capfd)
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "run %mlxdist start -n N first" in out + err
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("%mlxdist", "needs a command"),
+        ("%mlxdist frobnicate", "invalid choice: 'frobnicate'"),
+        ("%mlxdist start -n 0", "needs at least 1 rank, got 0"),
+        ("%mlxdist start -n two", "'two' is not a whole number"),
+        ("%mlxdist start --backend nccl", "invalid choice: 'nccl'"),
+        ("%mlxdist start --gpus 2", "unrecognized arguments: --gpus 2"),
+    ],
+)
+def test_usage_errors_are_one_line(ip, capfd, line: str, expected: str) -> None:
+    res, out, err = run(ip, line, capfd)
+    assert isinstance(res.error_in_exec, UsageError), (out, err)
+    assert expected in out + err
+    assert "Traceback" not in out + err
+
+
+def test_start_cell_status_and_errors(ip, capfd) -> None:
+    res, out, _ = run(ip, "%mlxdist start -n 2", capfd)
+    assert res.success, out
+    assert "MLX group ready: 2 ranks, backend=ring, launcher=local" in out
+    assert "engines registered: 2/2" in out
+    assert "rank 0: Device(cpu" in out and "rank 1: Device(cpu" in out
+
+    res, out, _ = run(ip, "%mlxdist start -n 2", capfd)
+    assert res.success and "already running" in out
+    res, out, err = run(ip, "%mlxdist start -n 3", capfd)
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "%mlxdist restart -n 3" in out + err
+
+    cell = (
+        "%%mlxdist\n"
+        "x = mx.ones(4) * (rank + 1)\n"
+        "y = mx.distributed.all_sum(x, group=world)\n"
+        "print(rank, y.tolist())\n"
+        "y.sum().item()"
+    )
+    res, out, _ = run(ip, cell, capfd)
+    assert res.success
+    i0, i1 = out.index("[rank 0]"), out.index("[rank 1]")
+    assert i0 < i1
+    assert "0 [3.0, 3.0, 3.0, 3.0]" in out[i0:i1]
+    assert "Out[rank 0]: 12.0" in out[i0:i1]
+    assert "1 [3.0, 3.0, 3.0, 3.0]" in out[i1:]
+
+    res, out, _ = run(ip, "%%mlxdist --ranks 1 --quiet\nprint('hidden', rank)", capfd)
+    assert res.success and "hidden" not in out
+
+    res, out, _ = run(ip, "%mlxdist status", capfd)
+    assert "ready, 2 ranks" in out and "rank 1: idle" in out
+
+    res, out, err = run(ip, "%%mlxdist\nprint('ok', rank)\nif rank == 0:\n    1 / 0", capfd)
+    assert isinstance(res.error_in_exec, CellError)
+    text = out + err
+    assert "[rank 0] ZeroDivisionError" in text
+    assert "ok 1" in text  # the rank that succeeded still shows its output
+    assert "1 / 0" in text  # the failing rank's own traceback, not the client's
+
+    res, out, err = run(ip, "%%mlxdist --ranks 0,7\n1", capfd)
+    assert isinstance(res.error_in_exec, UsageError) and "0..1" in out + err
+
+    res, out, _ = run(ip, "%mlxdist stop", capfd)
+    assert "stopped" in out
+    res, out, err = run(ip, "%%mlxdist\n1", capfd)
+    assert isinstance(res.error_in_exec, UsageError)
+
+
+def test_config_sets_defaults(ip, capfd) -> None:
+    ip.run_line_magic("config", "MLXDist.timeout = 42.0")
+    magics = next(m for m in ip.configurables if type(m).__name__ == "MLXDist")
+    assert magics.timeout == 42.0
+    ip.run_line_magic("config", "MLXDist.timeout = 300.0")

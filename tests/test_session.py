@@ -1,0 +1,123 @@
+"""The session API on a real 2-rank MLX ring group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_nbdist import CellError, NotStartedError, Session, SetupError
+from mlx_nbdist.results import ERROR, OK
+
+from .conftest import listening_ports, session_pids, session_ports, strip_ansi, wait_gone
+
+
+def test_every_rank_joins_one_group(session2: Session) -> None:
+    assert sorted(session2.ranks) == [0, 1]
+    r = session2.run("print(rank, size, world.rank(), world.size(), type(mx).__name__, nn.Linear)")
+    for k in (0, 1):
+        words = r.stdout(k).split()
+        assert words[:4] == [str(k), "2", str(k), "2"]
+    pids = session2.apply(__import__("os").getpid)
+    assert pids == {r: info.pid for r, info in session2.ranks.items()}
+
+
+def test_all_sum_all_gather_send_recv(session2: Session) -> None:
+    code = """
+x = mx.ones(4) * (rank + 1)
+s = mx.distributed.all_sum(x, group=world)
+g = mx.distributed.all_gather(mx.array([rank * 10]), group=world)
+if rank == 0:
+    got = mx.distributed.send(mx.arange(3) + 100, 1, group=world)
+else:
+    got = mx.distributed.recv((3,), mx.int32, 0, group=world)
+mx.eval(s, g, got)
+"""
+    session2.run(code)
+    s = session2.pull("s")
+    g = session2.pull("g")
+    got = session2.pull("got")
+    for r in (0, 1):
+        assert s[r].tolist() == [3.0] * 4
+        assert g[r].tolist() == [0, 10]
+    assert got[1].tolist() == [100, 101, 102]
+
+
+def test_output_is_grouped_and_ordered_by_rank(session2: Session) -> None:
+    r = session2.run("import time\ntime.sleep(0.3 * (size - rank))\nprint('hello from', rank)\nrank * 7")
+    assert list(r.ranks) == [0, 1]
+    assert r.stdout(0) == "hello from 0\n"
+    assert r.stdout(1) == "hello from 1\n"
+    assert r.ranks[1].result_text == "7"
+    assert r.ok and r.valid
+
+
+def test_stderr_and_figures_come_back(session2: Session) -> None:
+    code = (
+        "import sys, matplotlib.pyplot as plt\n"
+        "print('warn', rank, file=sys.stderr)\n"
+        "plt.plot([0, rank + 1]); plt.show()"
+    )
+    r = session2.run(code)
+    for k in (0, 1):
+        assert r.ranks[k].stderr == f"warn {k}\n"
+        assert any("image/png" in o["data"] for o in r.ranks[k].outputs)
+
+
+def test_a_rank_that_raises_gives_a_typed_error_with_its_traceback(session2: Session) -> None:
+    with pytest.raises(CellError) as info:
+        session2.run("print('before', rank)\nif rank == 1:\n    raise KeyError('bad key on one rank')")
+    err = info.value
+    assert [f.rank for f in err.failures] == [1]
+    assert err.failures[0].ename == "KeyError"
+    assert "bad key on one rank" in err.failures[0].evalue
+    assert any("raise KeyError" in strip_ansi(line) for line in err.failures[0].traceback)
+    assert err.result.ranks[0].status == OK and err.result.ranks[0].stdout == "before 0\n"
+    assert err.result.ranks[1].status == ERROR
+    rendered = "\n".join(err._render_traceback_())
+    assert "[rank 1] KeyError" in rendered
+    # the session is still healthy afterwards
+    assert session2.run("1 + 1").ranks[0].result_text == "2"
+
+
+def test_subset_of_ranks_and_refused_collective(session2: Session) -> None:
+    r = session2.run("print('only', rank)", ranks=[1])
+    assert list(r.ranks) == [1] and r.stdout(1) == "only 1\n"
+    with pytest.raises(CellError) as info:
+        session2.run("mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))", ranks=[0], timeout=20)
+    msg = info.value.failures[0].evalue
+    assert "ranks [0] only" in msg and "wait forever for ranks [1]" in msg
+    with pytest.raises(ValueError, match=r"ranks of this session are 0\.\.1"):
+        session2.run("1", ranks=[5])
+    assert session2.state == "ready"
+
+
+def test_bad_arguments_are_refused_up_front() -> None:
+    for n in (0, -1, 1.5, "2"):
+        with pytest.raises(SetupError, match="-n must be"):
+            Session(n)  # type: ignore[arg-type]
+    with pytest.raises(SetupError, match="unknown backend"):
+        Session(1, backend="nccl").start()
+    with pytest.raises(NotStartedError):
+        Session(1).run("1")
+
+
+def test_stop_leaves_no_process_and_no_port() -> None:
+    s = Session(2).start()
+    s.run("mx.eval(mx.distributed.all_sum(mx.ones(1), group=world))")
+    pids = session_pids(s)
+    ports = session_ports(s)
+    hostfile = json.loads((s.directory / "hostfile.json").read_text())
+    ring_ports = {int(h[0].split(":")[1]) for h in hostfile}
+    assert len(pids) >= 3 and ports
+    s.stop()
+    assert wait_gone(pids) == []
+    assert not (ports | ring_ports) & listening_ports()
+    record = json.loads((s.directory / "session.json").read_text())
+    assert record["state"] == "stopped"
+
+
+def test_one_rank_session_works() -> None:
+    with Session(1) as s:
+        r = s.run("print(size, mx.distributed.all_sum(mx.ones(2), group=world).tolist())")
+        assert r.stdout(0) == "1 [1.0, 1.0]\n"
