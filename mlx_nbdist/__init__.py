@@ -20,6 +20,7 @@ from .errors import (
     ShardingError,
     StartError,
 )
+from .models import check, gradsync, plan, shard, show, slices
 from .results import CellResult, RankOutput
 from .session import Session
 
@@ -38,7 +39,13 @@ __all__ = [
     "SetupError",
     "ShardingError",
     "StartError",
+    "check",
     "current_session",
+    "gradsync",
+    "plan",
+    "shard",
+    "show",
+    "slices",
     "start",
     "stop",
 ]

@@ -17,8 +17,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from traitlets import Bool, Float, Unicode
 
-from . import api
-from .errors import MLXDistError, NotStartedError, SetupError
+from . import api, models
+from .errors import MLXDistError, NotStartedError, SetupError, ShardingError
 from .session import Session
 from .viz.cells import display_cell
 
@@ -75,6 +75,23 @@ def _line_parser() -> _Parser:
         sub.add_parser(name, add_help=False)
     restart = sub.add_parser("restart", add_help=False)
     restart.add_argument("-n", type=_positive_int, default=None, help="change the number of ranks")
+    for name in ("plan", "shard"):
+        cmd = sub.add_parser(name, add_help=False)
+        cmd.add_argument("model", help="the model's name on the ranks")
+        cmd.add_argument("--sharding", default="megatron", help="strategy or JSON mapping")
+        cmd.add_argument("--segments", type=_positive_int, default=1)
+    show = sub.add_parser("show", add_help=False)
+    show.add_argument("name", help="model.path.to.parameter, or a quantized layer")
+    show.add_argument("--text", action="store_true", help="a text form instead of a figure")
+    show.add_argument("--no-values", action="store_true", help="blocks only, no heatmap")
+    show.add_argument("--max-elements", type=_positive_int, default=1 << 20)
+    grad = sub.add_parser("gradsync", add_help=False)
+    grad.add_argument("model")
+    grad.add_argument("--step", required=True, help="loss expression, e.g. 'loss_fn(model, x, y)'")
+    grad.add_argument("--mode", choices=("auto", "dp", "tp", "fsdp"), default="auto")
+    grad.add_argument("--text", action="store_true")
+    check = sub.add_parser("check", add_help=False)
+    check.add_argument("model")
     return p
 
 
@@ -118,7 +135,8 @@ class MLXDist(Magics):
         args = self._parse(_line_parser(), line)
         if args.cmd is None:
             raise UsageError(
-                "%mlxdist needs a command: start, stop, restart, status, cleanup "
+                "%mlxdist needs a command: start, stop, restart, status, cleanup, plan, "
+                "shard, show, gradsync, check "
                 "(or use %%mlxdist as a cell magic)"
             )
         return getattr(self, f"_cmd_{args.cmd}")(args)
@@ -190,6 +208,46 @@ class MLXDist(Magics):
             return
         print(api.format_status(s.status()))
 
+    def _cmd_plan(self, args: argparse.Namespace) -> Any:
+        sharding = models.parse_sharding(args.sharding)
+        return self._guard(lambda: models.plan(args.model, sharding, segments=args.segments,
+                                                session=self._session()))
+
+    def _cmd_shard(self, args: argparse.Namespace) -> Any:
+        sharding = models.parse_sharding(args.sharding)
+        table = self._guard(lambda: models.shard(args.model, sharding, segments=args.segments,
+                                                 session=self._session()))
+        print(f"sharded {args.model!r} across {table.group_size} ranks ({args.sharding})")
+        for w in table.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        return table
+
+    def _cmd_show(self, args: argparse.Namespace) -> Any:
+        s = self._session()
+        if args.text:
+            from .viz import format_tensor
+
+            print(format_tensor(models.slices(args.name, max_elements=args.max_elements,
+                                              session=s)))
+            return None
+        return models.show(args.name, values=not args.no_values,
+                           max_elements=args.max_elements, session=s)
+
+    def _cmd_gradsync(self, args: argparse.Namespace) -> Any:
+        result = models.gradsync(args.model, args.step, mode=args.mode, session=self._session())
+        bad = result.desynced()
+        if bad:
+            print(f"DESYNC: replicated parameters differ across ranks: {', '.join(bad)}",
+                  file=sys.stderr)
+        if args.text:
+            print(result)
+            return None
+        return result.figure()
+
+    def _cmd_check(self, args: argparse.Namespace) -> None:
+        report = models.check(args.model, session=self._session())
+        print(report, file=sys.stdout if report.ok else sys.stderr)
+
     def _cmd_cleanup(self, args: argparse.Namespace) -> None:
         from .session import cleanup
 
@@ -230,7 +288,7 @@ class MLXDist(Magics):
     def _guard(fn: Any, *a: Any) -> Any:
         try:
             return fn(*a)
-        except SetupError as e:
+        except (SetupError, ShardingError) as e:
             raise UsageError(str(e)) from None
 
 

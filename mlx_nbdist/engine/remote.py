@@ -1,0 +1,142 @@
+"""Functions the notebook applies on the ranks to plan, shard and look at a model.
+
+Each takes names in the rank's namespace (``model``, ``model.layers.0.weight``),
+works on the rank, and returns plain data. Arrays travel as separate items of a
+tuple so ipyparallel sends them as zero-copy buffers instead of pickling them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+
+def _ns() -> dict[str, Any]:
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    return ip.user_ns if ip is not None else {}
+
+
+def resolve(expr: str) -> tuple[Any, str]:
+    """Split ``model.layers.0.weight`` into the object ``model`` and the rest."""
+    ns = _ns()
+    head, _, rest = expr.partition(".")
+    if head not in ns:
+        raise NameError(f"{head!r} is not defined on this rank (define it in a %%mlxdist cell)")
+    return ns[head], rest
+
+
+def plan_rows(name: str, sharding: Any, group_size: int, segments: int) -> dict[str, Any]:
+    from ..sharding import plan
+
+    model, rest = resolve(name)
+    if rest:
+        model = _child(model, rest)
+    p = plan(model, sharding, group_size=group_size, segments=segments)
+    return {
+        "rows": [asdict(r) for r in p.rows],
+        "problems": list(p.problems),
+        "warnings": list(p.warnings),
+        "text": str(p),
+    }
+
+
+def shard_model(name: str, sharding: Any, segments: int) -> str:
+    """Shard ``name`` in the namespace and rebind it to the sharded model."""
+    import warnings
+
+    from ..sharding import shard
+    from .bootstrap import current
+
+    ns = _ns()
+    model, rest = resolve(name)
+    if rest:
+        raise ValueError(f"shard takes a model name, not a path: {name!r}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ns[name] = shard(model, sharding, group=current().world, segments=segments)
+    return "\n".join(str(w.message) for w in caught)
+
+
+def slice_of(expr: str, max_elements: int | None) -> tuple[dict[str, Any], np.ndarray | None]:
+    """This rank's slice of a parameter (metadata, values) for zero-copy transfer."""
+    from .bootstrap import current
+    from .slices import local_slice
+
+    obj, rest = resolve(expr)
+    if not rest:
+        import mlx.core as mx
+
+        if not isinstance(obj, mx.array):
+            raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
+    sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
+    data = None if sl.data is None else np.ascontiguousarray(sl.data)
+    meta = asdict(sl)
+    meta["data"] = None
+    return meta, data
+
+
+def quantized_parts(expr: str) -> list[str]:
+    """The parameter paths of a quantized layer (weight, scales, biases)."""
+    obj, rest = resolve(expr)
+    mod = _child(obj, rest) if rest else obj
+    names = [k for k in ("weight", "scales", "biases") if k in mod]
+    return [f"{expr}.{k}" for k in names]
+
+
+def is_quantized_layer(expr: str) -> bool:
+    obj, rest = resolve(expr)
+    mod = _child(obj, rest) if rest else obj
+    return hasattr(mod, "scales") and hasattr(mod, "bits")
+
+
+def grad_samples(name: str, step: str, mode: str) -> list[dict[str, Any]]:
+    """GradSamples of one step whose loss is the expression ``step``."""
+    from .bootstrap import current
+    from .gradsync import grad_sync
+
+    ns = _ns()
+    model, rest = resolve(name)
+    if rest:
+        raise ValueError(f"gradsync takes a model name, not a path: {name!r}")
+    loss_fn = eval(f"lambda {name}: ({step})", ns)  # noqa: S307 - the user's own expression
+    return [asdict(s) for s in grad_sync(model, loss_fn, group=current().world, mode=mode)]
+
+
+def checksums(name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:
+    """Sum and sum of squares (float64) of every replicated parameter of a model."""
+    import mlx.core as mx
+
+    from ..sharding import param_specs
+    from .bootstrap import current
+
+    model, rest = resolve(name)
+    if rest:
+        model = _child(model, rest)
+    st = current()
+    specs = param_specs(model, group_size=st.size, rank=st.rank)
+    out = {}
+    from mlx.utils import tree_flatten
+
+    for path, arr in tree_flatten(model.parameters()):
+        spec = specs.get(path)
+        if spec is not None and spec.axis is not None:
+            continue
+        a = np.asarray(arr.astype(mx.float32) if arr.dtype == mx.bfloat16 else arr, np.float64)
+        out[path] = (float(a.sum()), float((a * a).sum()), tuple(a.shape))
+    return out
+
+
+def _child(model: Any, path: str) -> Any:
+    obj = model
+    for part in path.split("."):
+        if isinstance(obj, list | tuple):
+            obj = obj[int(part)]
+        elif isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        else:
+            obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,269 @@
+"""Plan, shard and look at a model that lives on the ranks.
+
+On the notebook side these functions take the *name* of a model (or of one of its
+parameters) in the ranks' namespace and a session (default: the current one).
+Inside a ``%%mlxdist`` cell, :func:`plan` and :func:`shard` also take the model
+object itself and call :mod:`mlx_nbdist.sharding` directly::
+
+    %%mlxdist
+    model = mlx_nbdist.shard(model, "megatron")     # on every rank
+    mlx_nbdist.plan("model")                         # from the notebook: a table
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import remote
+from .errors import ShardingError
+from .results import GradSample, PlanRow, TensorSlice
+from .session import Session
+
+
+def _session(session: Session | None) -> Session:
+    from .api import current_session
+
+    return session or current_session()  # type: ignore[return-value]
+
+
+def parse_sharding(text: str) -> str | dict[str, str | None]:
+    """A strategy name, or a JSON mapping ``{layer path or glob: mode}``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise ShardingError(f"--sharding mapping is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ShardingError("--sharding mapping must be a JSON object")
+        return value
+    return text
+
+
+@dataclass
+class PlanTable:
+    """A sharding plan as the notebook shows it (HTML table, or text)."""
+
+    rows: list[PlanRow]
+    group_size: int
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    text: str = ""
+
+    def _repr_html_(self) -> str:
+        from .viz import plan_table_html
+
+        html = plan_table_html(self.rows, self.group_size)
+        notes = [f"<li style='color:#b00'>{p}</li>" for p in self.problems]
+        notes += [f"<li style='color:#a60'>{w}</li>" for w in self.warnings]
+        return html + (f"<ul>{''.join(notes)}</ul>" if notes else "")
+
+    def __str__(self) -> str:
+        from .viz import format_plan
+
+        extra = [f"problem: {p}" for p in self.problems] + [f"warning: {w}" for w in self.warnings]
+        return "\n".join([format_plan(self.rows, self.group_size), *extra])
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+def plan(
+    model: Any,
+    sharding: str | dict[str, str | None] = "megatron",
+    *,
+    segments: int = 1,
+    group_size: int | None = None,
+    session: Session | None = None,
+) -> Any:
+    """What sharding would do to each parameter, before anything moves.
+
+    Args:
+        model: the model's name on the ranks (from the notebook), or the model
+            itself (inside a cell; then a :class:`~mlx_nbdist.sharding.ShardPlan`).
+        sharding: ``megatron``, ``all-to-sharded``, ``sharded-to-all``, ``fsdp``,
+            ``inplace-…`` or a ``{layer path or glob: mode}`` mapping.
+        segments: fused segments per sharded axis.
+        group_size: ranks to plan for (default: the session's, or the group's).
+    """
+    if not isinstance(model, str):
+        from .sharding import plan as _plan
+
+        return _plan(model, sharding, group_size=group_size or _group_size(), segments=segments)
+    s = _session(session)
+    n = group_size or s.n
+    got = _unwrap_sharding(s.apply, remote.plan_rows, model, sharding, n, segments, ranks=[0])[0]
+    rows = [PlanRow(**{**r, "full_shape": tuple(r["full_shape"]),
+                       "local_shape": tuple(r["local_shape"])}) for r in got["rows"]]
+    return PlanTable(rows, n, got["problems"], got["warnings"], got["text"])
+
+
+def shard(
+    model: Any,
+    sharding: str | dict[str, str | None] = "megatron",
+    *,
+    segments: int = 1,
+    session: Session | None = None,
+) -> Any:
+    """Shard a model with MLX's own layers; checked on the notebook before any rank moves.
+
+    From the notebook ``model`` is the model's name: the plan is computed on rank 0
+    first and any dimension that does not divide raises :class:`ShardingError`
+    naming each parameter; then every rank shards and rebinds the name. Inside a
+    cell, ``model`` is the model object and the sharded model is returned.
+    """
+    if not isinstance(model, str):
+        from .engine.bootstrap import current
+        from .sharding import shard as _shard
+
+        return _shard(model, sharding, group=current().world, segments=segments)
+    table = plan(model, sharding, segments=segments, session=session)
+    if table.problems:
+        raise ShardingError(
+            f"cannot shard {model!r} across {table.group_size} ranks:\n  "
+            + "\n  ".join(table.problems)
+        )
+    s = _session(session)
+    notes = _unwrap_sharding(s.apply, remote.shard_model, model, sharding, segments)
+    table.warnings = sorted({w for text in notes.values() for w in text.splitlines() if w})
+    return table
+
+
+def slices(name: str, *, max_elements: int | None = None, session: Session | None = None
+           ) -> list[TensorSlice]:
+    """Each rank's slice of a parameter as numpy, with where it sits in the full tensor.
+
+    Args:
+        name: ``model.path.to.param`` (or the name of an array) on the ranks.
+        max_elements: pull a strided sample instead when a slice is larger.
+    """
+    s = _session(session)
+    got = s.apply(remote.slice_of, name, max_elements)
+    out = []
+    for _, (meta, data) in sorted(got.items()):
+        meta = dict(meta, data=data)
+        meta["shape"], meta["full_shape"] = tuple(meta["shape"]), tuple(meta["full_shape"])
+        meta["ranges"] = [tuple(r) for r in meta["ranges"]]
+        out.append(TensorSlice(**meta))
+    return out
+
+
+def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,
+         session: Session | None = None) -> Any:
+    """A figure of the full tensor as blocks coloured by the rank that holds them.
+
+    ``name`` may also be a quantized layer (``model.layers.0``): then its packed
+    weight, scales and biases are drawn side by side.
+    """
+    from .viz import show_quantized, show_tensor
+
+    s = _session(session)
+    if s.apply(remote.is_quantized_layer, name, ranks=[0])[0]:
+        parts = s.apply(remote.quantized_parts, name, ranks=[0])[0]
+        got = {p.rsplit(".", 1)[1]: slices(p, max_elements=max_elements, session=s)
+               for p in parts}
+        return show_quantized(got["weight"], got["scales"], got.get("biases"))
+    return show_tensor(slices(name, max_elements=max_elements, session=s), values=values,
+                       title=name)
+
+
+@dataclass
+class GradSync:
+    """Per-rank gradients of one step, before and after synchronisation."""
+
+    samples: list[GradSample]
+
+    def desynced(self, tol: float = 1e-6) -> list[str]:
+        from .viz import desynced
+
+        return desynced(self.samples, tol)
+
+    def figure(self) -> Any:
+        from .viz import gradsync_figure
+
+        return gradsync_figure(self.samples)
+
+    def __str__(self) -> str:
+        from .viz import format_gradsync
+
+        return format_gradsync(self.samples)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | None = None
+             ) -> GradSync:
+    """Capture one step's gradients on every rank before and after synchronisation.
+
+    Args:
+        name: the model's name on the ranks.
+        step: the loss expression, evaluated on each rank with ``name`` bound to the
+            model, e.g. ``"loss_fn(model, x, y)"``.
+        mode: ``auto``, ``dp`` (average_gradients), ``tp`` or ``fsdp``.
+    """
+    s = _session(session)
+    got = s.apply(remote.grad_samples, name, step, mode)
+    samples = [GradSample(**{**d, "shape": tuple(d["shape"])})
+               for _, rows in sorted(got.items()) for d in rows]
+    return GradSync(samples)
+
+
+@dataclass
+class CheckReport:
+    """Replicated parameters compared across ranks."""
+
+    n_params: int
+    diverged: dict[str, dict[int, float]]  # path -> {rank: |sum - sum on rank 0|}
+
+    @property
+    def ok(self) -> bool:
+        return not self.diverged
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"all {self.n_params} replicated parameters are identical on every rank"
+        lines = [f"{len(self.diverged)} of {self.n_params} replicated parameters diverged:"]
+        for path, ranks in self.diverged.items():
+            detail = ", ".join(f"rank {r} (|Δsum| {d:.3g})" for r, d in sorted(ranks.items()))
+            lines.append(f"  {path}: {detail} differ from rank 0")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+def check(name: str, *, rtol: float = 0.0, session: Session | None = None) -> CheckReport:
+    """Checksum every replicated parameter on every rank; report ranks that diverged."""
+    s = _session(session)
+    sums = s.apply(remote.checksums, name)
+    ref = sums[0]
+    diverged: dict[str, dict[int, float]] = {}
+    for rank, table in sorted(sums.items()):
+        for path, (total, sq, _shape) in table.items():
+            r_total, r_sq, _ = ref.get(path, (total, sq, None))
+            scale = max(abs(r_sq), 1e-30) ** 0.5
+            if abs(total - r_total) > rtol * scale or abs(sq - r_sq) > rtol * abs(r_sq):
+                diverged.setdefault(path, {})[rank] = abs(total - r_total)
+    return CheckReport(len(ref), diverged)
+
+
+def _unwrap_sharding(apply: Any, *args: Any, **kwargs: Any) -> Any:
+    """Re-raise a rank's ShardingError (or NameError) as the one-line error it is."""
+    from .errors import CellError
+
+    try:
+        return apply(*args, **kwargs)
+    except CellError as e:
+        first = e.failures[0] if e.failures else None
+        if first is not None and first.ename in ("ShardingError", "NameError", "TypeError"):
+            raise ShardingError(f"[rank {first.rank}] {first.evalue}") from None
+        raise
+
+
+def _group_size() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
