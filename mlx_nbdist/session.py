@@ -383,9 +383,14 @@ class Session:
     def _view(self, ranks: list[int]) -> Any:
         return self.client[[self.ranks[r].engine_id for r in ranks]]
 
-    def _supervise(self, futures: dict[int, Any], timeout: float | None) -> Outcome:
+    def _supervise(
+        self,
+        futures: dict[int, Any],
+        timeout: float | None,
+        on_tick: Callable[[], None] | None = None,
+    ) -> Outcome:
         policy = Policy(**{**asdict(self.policy), "timeout": timeout})
-        outcome = Supervisor(self, futures, policy).wait()
+        outcome = Supervisor(self, futures, policy, on_tick).wait()
         if outcome.broken:
             self.state = BROKEN
             self.broken_reason = outcome.broken
@@ -398,6 +403,7 @@ class Session:
         ranks: Iterable[int] | None = None,
         timeout: float | None = -1,
         check_collectives: bool | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> CellResult:
         """Run ``code`` as a cell on the ranks (default all) and collect their output.
 
@@ -409,6 +415,8 @@ class Session:
                 means none.
             check_collectives: compare op/shape/dtype across ranks before each
                 collective (default: the session's setting).
+            on_tick: called about every 0.25 s while the cell runs (live displays
+                read :meth:`rank_states` from it).
 
         Raises:
             CellError: a rank raised, died, or was drained (``err.result`` holds every
@@ -426,7 +434,7 @@ class Session:
         t0 = time.monotonic()
         ar = view.execute(code, silent=False, block=False)
         futures = dict(zip(targets, ar._children, strict=True))
-        outcome = self._supervise(futures, timeout)
+        outcome = self._supervise(futures, timeout, on_tick)
         result = self._collect(futures, outcome, time.monotonic() - t0)
         _raise_for(result, outcome, timeout)
         return result

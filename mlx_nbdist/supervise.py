@@ -22,6 +22,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .results import DIED, DRAINED, ERROR, KILLED, CollectiveRecord, RankFailure
@@ -66,15 +67,25 @@ class Policy:
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
     poll: float = 0.02
+    #: how often ``on_tick`` is called while a cell runs
+    tick: float = 0.25
 
 
 class Supervisor:
     """Waits for one dispatched task (an execute or an apply) on a set of ranks."""
 
-    def __init__(self, ranks: Ranks, futures: dict[int, Future], policy: Policy):
+    def __init__(
+        self,
+        ranks: Ranks,
+        futures: dict[int, Future],
+        policy: Policy,
+        on_tick: Callable[[], None] | None = None,
+    ):
         self.s = ranks
         self.futures = futures
         self.policy = policy
+        self.on_tick = on_tick
+        self._last_tick = 0.0
         self.out = Outcome()
         self._failed_at: float | None = None
         self._drained = False
@@ -129,10 +140,22 @@ class Supervisor:
                 if self._handle_failure(pending):
                     break
                 self._wait(pending, self.policy.poll)
+                self._tick()
         except KeyboardInterrupt:
             self._interrupt()
         self.out.replied = [r for r, f in self.futures.items() if f.done()]
         return self.out
+
+    def _tick(self) -> None:
+        """Call ``on_tick`` (live progress displays) at most every ``tick`` seconds."""
+        now = time.monotonic()
+        if self.on_tick is None or now - self._last_tick < self.policy.tick:
+            return
+        self._last_tick = now
+        try:
+            self.on_tick()
+        except Exception:  # noqa: BLE001 - a display must never break the cell
+            self.on_tick = None
 
     def _check_dead(self, pending: list[int]) -> None:
         dead = [r for r in pending if r not in self.out.failures and not self.s.rank_alive(r)]
