@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from .results import DIED, DRAINED, ERROR, KILLED, CollectiveRecord, RankFailure
