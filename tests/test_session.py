@@ -121,3 +121,62 @@ def test_one_rank_session_works() -> None:
     with Session(1) as s:
         r = s.run("print(size, mx.distributed.all_sum(mx.ones(2), group=world).tolist())")
         assert r.stdout(0) == "1 [1.0, 1.0]\n"
+
+
+def test_everything_listens_on_loopback_and_files_are_private(session2: Session) -> None:
+    import os
+    import stat
+
+    import psutil
+
+    addrs = []
+    for pid in session_pids(session2):
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        addrs += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+    assert addrs and set(addrs) == {"127.0.0.1"}
+    assert stat.S_IMODE(os.stat(session2.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(session2.directory.parent).st_mode) == 0o700
+    security = session2.directory / "profile" / "security"
+    conn_files = list(security.glob("ipcontroller-*.json"))
+    assert conn_files
+    for f in conn_files:
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    import psutil
+
+    from mlx_nbdist import launch
+    from mlx_nbdist.session import cleanup
+
+    monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
+    dead_client = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_client.wait()
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        started = psutil.Process(orphan.pid).create_time()
+        d = launch.session_dir("dead-session")
+        (d / "session.json").write_text(json.dumps({
+            "session_id": "dead-session", "client_pid": dead_client.pid, "client_started": 1.0,
+            "state": "ready",
+            # the bystander is recorded with a wrong start time: a reused PID, not ours
+            "pids": [[orphan.pid, started], [bystander.pid, started - 1000.0]],
+        }))
+        ended = cleanup()
+        assert ended == [f"session dead-session: ended pids [{orphan.pid}]"]
+        assert orphan.wait(10) is not None
+        assert bystander.poll() is None
+        assert json.loads((d / "session.json").read_text())["state"] == "stopped"
+        assert cleanup() == []
+    finally:
+        for p in (orphan, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
