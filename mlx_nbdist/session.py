@@ -430,12 +430,13 @@ class Session:
         self._cell += 1
         meta = {"cell": self._cell, "ranks": targets, "check": bool(check)}
         view = self._view(targets)
-        view.push({"_mlxdist_cell": meta}, block=False)
+        pushed = view.push({"_mlxdist_cell": meta}, block=False)
         t0 = time.monotonic()
         ar = view.execute(code, silent=False, block=False)
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout, on_tick)
         result = self._collect(futures, outcome, time.monotonic() - t0)
+        self._forget(pushed, ar)
         _raise_for(result, outcome, timeout)
         return result
 
@@ -458,14 +459,24 @@ class Session:
         timeout = self.timeout if timeout == -1 else timeout
         self._cell += 1
         view = self._view(targets)
-        view.push({"_mlxdist_cell": {"cell": self._cell, "ranks": targets}}, block=False)
+        pushed = view.push({"_mlxdist_cell": {"cell": self._cell, "ranks": targets}}, block=False)
         t0 = time.monotonic()
         ar = view.apply_async(fn, *args, **kwargs)
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout)
         result = self._collect(futures, outcome, time.monotonic() - t0)
+        values = {r: f.result() for r, f in futures.items() if r not in outcome.failures}
+        self._forget(pushed, ar)
         _raise_for(result, outcome, timeout)
-        return {r: _unwrap(f.result()) for r, f in futures.items()}
+        return values
+
+    def _forget(self, *ars: Any) -> None:
+        """Drop finished messages from the client's caches (they grow without bound)."""
+        done = [m for a in ars for m in a.msg_ids if m not in self.client.outstanding]
+        try:
+            self.client.purge_local_results(jobs=done)
+        except Exception:  # noqa: BLE001 - caching is not correctness
+            pass
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """The value of ``name`` in each rank's namespace."""
@@ -542,11 +553,6 @@ def _seconds(start: Any, end: Any) -> float | None:
         return (end - start).total_seconds()
     except TypeError:  # one naive, one aware
         return None
-
-
-def _unwrap(value: Any) -> Any:
-    # apply on one engine of a multi-engine view still returns the value itself
-    return value
 
 
 def _pull_name(name: str) -> Any:
