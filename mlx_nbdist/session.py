@@ -428,15 +428,14 @@ class Session:
         timeout = self.timeout if timeout == -1 else timeout
         check = self.check_collectives if check_collectives is None else check_collectives
         self._cell += 1
-        meta = {"cell": self._cell, "ranks": targets, "check": bool(check)}
-        view = self._view(targets)
-        pushed = view.push({"_mlxdist_cell": meta}, block=False)
+        meta = {"mlxdist": 1, "cell": self._cell, "ranks": targets, "check": bool(check)}
         t0 = time.monotonic()
-        ar = view.execute(code, silent=False, block=False)
+        # the cell's metadata travels as the request's label: one message per rank
+        ar = self._view(targets).execute(code, silent=False, block=False, label=json.dumps(meta))
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout, on_tick)
         result = self._collect(futures, outcome, time.monotonic() - t0)
-        self._forget(pushed, ar)
+        self._forget(ar)
         _raise_for(result, outcome, timeout)
         return result
 
@@ -458,15 +457,14 @@ class Session:
         targets = self.resolve_ranks(ranks)
         timeout = self.timeout if timeout == -1 else timeout
         self._cell += 1
-        view = self._view(targets)
-        pushed = view.push({"_mlxdist_cell": {"cell": self._cell, "ranks": targets}}, block=False)
+        meta = {"cell": self._cell, "ranks": targets}
         t0 = time.monotonic()
-        ar = view.apply_async(fn, *args, **kwargs)
+        ar = self._view(targets).apply_async(_bootstrap.call, meta, fn, *args, **kwargs)
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout)
         result = self._collect(futures, outcome, time.monotonic() - t0)
         values = {r: f.result() for r, f in futures.items() if r not in outcome.failures}
-        self._forget(pushed, ar)
+        self._forget(ar)
         _raise_for(result, outcome, timeout)
         return values
 

@@ -10,6 +10,7 @@ defines ``mx``, ``nn``, ``world``, ``rank`` and ``size`` for the user's cells.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -133,15 +134,45 @@ def _prepare_shell(mx: Any, nn: Any, st: EngineState) -> None:
         pass
 
     def pre_run_cell(info: Any) -> None:
-        meta = ip.user_ns.pop("_mlxdist_cell", None) or {}
-        st.tracker.begin_cell(int(meta.get("cell", 0)), meta.get("ranks"), bool(meta.get("check")))
-        st.monitor.cell_started(int(meta.get("cell", 0)))
+        begin(_cell_meta(ip))
 
     def post_run_cell(result: Any) -> None:
         st.monitor.cell_finished("ok" if result.success else type(result.error_in_exec).__name__)
 
     ip.events.register("pre_run_cell", pre_run_cell)
     ip.events.register("post_run_cell", post_run_cell)
+
+
+def begin(meta: dict[str, Any]) -> None:
+    """Start a cell or apply on this rank: cell number, active ranks, check mode."""
+    st = current()
+    cell = int(meta.get("cell", 0))
+    st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
+    st.monitor.cell_started(cell)
+
+
+def _cell_meta(ip: Any) -> dict[str, Any]:
+    """The session sends a cell's metadata as the execute request's label."""
+    try:
+        label = ip.kernel.get_parent()["metadata"].get("label") or ""
+    except Exception:  # noqa: BLE001 - no kernel (plain shell): no metadata
+        return {}
+    if not label.startswith('{"mlxdist"'):
+        return {}
+    return json.loads(label)
+
+
+def call(meta: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` for :meth:`Session.apply` with the cell's metadata in effect."""
+    begin(meta)
+    status = "ok"
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        status = type(e).__name__
+        raise
+    finally:
+        current().monitor.cell_finished(status)
 
 
 def drain(records: list[dict[str, Any]]) -> list[str]:

