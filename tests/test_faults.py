@@ -216,3 +216,24 @@ def test_soak_many_cells_and_restarts_leak_nothing() -> None:
             assert_works(s)
         assert me.num_fds() <= fds0 + 20
         assert me.num_threads() <= threads0 + 4
+
+
+def test_interpreter_exit_without_stop_leaves_nothing(tmp_path) -> None:
+    """A script that starts a session and simply ends: atexit stops the session."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json\n"
+        "from mlx_nbdist import Session\n"
+        "s = Session(2).start()\n"
+        "s.run('mx.eval(mx.distributed.all_sum(mx.ones(1), group=world))')\n"
+        "print(json.dumps([p for p, _ in s._recorded_pids()]), flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(pids) >= 3
+    assert wait_gone(pids, timeout=15) == []
