@@ -69,7 +69,10 @@ def _sizes() -> list[tuple[int, int]]:
 
 
 def _parse(out: str) -> dict[int, float]:
-    return {int(m): float(b) for m, b in re.findall(r"RESULT (\d+) ([\d.]+)", out)}
+    got = {int(m): float(b) for m, b in re.findall(r"RESULT (\d+) ([\d.]+)", out)}
+    if set(got) != set(SIZES_MB):
+        raise RuntimeError(f"the benchmark script printed no result:\n{out[-2000:]}")
+    return got
 
 
 def in_cell(backend: str) -> dict[int, float]:
@@ -93,8 +96,11 @@ def plain_script(backend: str) -> dict[int, float]:
         script = Path(d) / "bench_allsum.py"
         script.write_text(SCRIPT.format(sizes=_sizes()))
         if backend == "ring":
+            # mlx.launch execs its command: name the interpreter (and it exits 0 even
+            # when ranks fail, so _parse's result is checked below)
             cmd = [bin_path("mlx.launch"), "--backend", "ring", "-n", "2",
-                   "--starting-port", str(_free_base_port()), str(script), "ring"]
+                   "--starting-port", str(_free_base_port()), "--", sys.executable,
+                   str(script), "ring"]
             env = {}
         else:
             cmd = [*_mpirun(), sys.executable, str(script), "mpi"]
@@ -136,14 +142,23 @@ def _free_base_port() -> int:
     return free_ports(1)[0]
 
 
-def main() -> dict:
+def main(trials: int = 3) -> dict:
+    """Each path ``trials`` times, alternating, so drifting machine load hits all alike."""
+    paths = {
+        "%%mlxdist cell, ring": lambda: in_cell("ring"),
+        "mlx.launch script, ring": lambda: plain_script("ring"),
+        "%%mlxdist cell, mpi": lambda: in_cell("mpi"),
+        "mpirun script, MLX mpi": lambda: plain_script("mpi"),
+        "mpi4py Allreduce (mpirun)": mpi4py_allreduce,
+        "numpy memcpy, 1 process": memcpy,
+    }
+    runs: dict[str, list[dict[int, float]]] = {k: [] for k in paths}
+    for _ in range(trials):
+        for name, fn in paths.items():
+            runs[name].append(fn())
     return {
-        "%%mlxdist cell, ring": in_cell("ring"),
-        "mlx.launch script, ring": plain_script("ring"),
-        "%%mlxdist cell, mpi": in_cell("mpi"),
-        "mpirun script, MLX mpi": plain_script("mpi"),
-        "mpi4py Allreduce (mpirun)": mpi4py_allreduce(),
-        "numpy memcpy, 1 process": memcpy(),
+        name: {mb: float(np.median([r[mb] for r in rs])) for mb in SIZES_MB}
+        for name, rs in runs.items()
     }
 
 

@@ -28,6 +28,8 @@ def _pickled(name: str):  # runs on the ranks
     return TensorSlice(**{**meta, "data": data})  # one object: pickled in-band
 
 
+_pickled.__module__ = "__main__"  # send by value: the ranks cannot import bench modules
+
 def main() -> dict:
     nbytes = MB * 2**20
     with Session(2, timeout=300) as s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,12 +56,14 @@ def mlx_launch(n: int) -> float:
         script = Path(d) / "empty.py"
         script.write_text(
             "import mlx.core as mx\ng = mx.distributed.init(backend='ring', strict=True)\n"
-            "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))\n"
+            "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))\nprint('DONE', flush=True)\n"
         )
         port = launch.free_ports(1)[0]
         t0 = time.perf_counter()
-        run_script([bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
-                    "--starting-port", str(port), str(script)])
+        out = run_script([bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
+                          "--starting-port", str(port), "--", sys.executable, str(script)])
+        if out.count("DONE") != n:  # mlx.launch exits 0 even when its ranks fail
+            raise RuntimeError(f"mlx.launch did not run the script:\n{out}")
         return time.perf_counter() - t0
 
 
