@@ -23,7 +23,11 @@ Two public functions run inside a rank:
     that run in parallel (attention's q/k/v) need a mapping instead.
 ``"fsdp"``
     the whole model is wrapped with ``fully_shard`` (every parameter split on axis 0,
-    all_gather in the forward, sum_scatter in the backward).
+    all_gather in the forward, sum_scatter in the backward). On a backend without
+    ``sum_scatter`` (MLX 0.32's CPU ring and mpi) :func:`shard` warns, and taking a
+    gradient raises ``RuntimeError`` (:data:`FSDP_NO_GRADIENTS`) as soon as
+    ``nn.value_and_grad`` is called, instead of MLX's "[ring] sum_scatter not
+    supported" at evaluation.
 ``"inplace-all-to-sharded"`` / ``"inplace-sharded-to-all"``
     MLX's ``shard_inplace``: the parameters are sliced but the layers stay ``Linear``
     and insert no collective, so the outputs are wrong unless the forward sums itself.
@@ -55,6 +59,7 @@ from .errors import ShardingError
 from .results import PlanRow
 
 __all__ = [
+    "FSDP_NO_GRADIENTS",
     "ParamSpec",
     "ShardPlan",
     "has_sum_scatter",
@@ -92,6 +97,15 @@ _INPLACE_WARNING = (
     "collective, so the model's outputs will NOT equal the unsharded model unless the "
     "forward sums the partial results itself (mx.distributed.all_sum). Use 'megatron' "
     "or the 'all-to-sharded'/'sharded-to-all' modes for layers that communicate."
+)
+FSDP_NO_GRADIENTS = (
+    "mlx_nbdist: cannot compute gradients of a model sharded with 'fsdp' (fully_shard) "
+    "here: its backward reduces the gradients with sum_scatter, which this MLX "
+    "distributed backend does not implement (MLX 0.32's ring and mpi CPU backends do "
+    "not). The fsdp forward (inference) works. To train on this backend, keep the model "
+    "whole on every rank and average the gradients (data parallel: "
+    "nn.average_gradients(grads, group=world)), or use tensor parallelism "
+    "(mlx_nbdist.shard(model, 'megatron')); or use a backend with sum_scatter (nccl)."
 )
 NO_SUM_SCATTER = (
     "this MLX distributed backend does not implement sum_scatter (MLX 0.32's ring and mpi "
@@ -830,6 +844,7 @@ def shard(
                 FSDP, 1, {f"module.{p}": s for p, s in full.items()}, n_ranks)
             if not has_sum_scatter(group):
                 warnings.warn(f"mlx_nbdist.shard: {NO_SUM_SCATTER}", UserWarning, stacklevel=2)
+                _block_fsdp_backward(wrapped)
         return wrapped
 
     inplace = sorted(p for p, m in the_plan.layer_modes.items() if m in _INPLACE)
@@ -891,6 +906,30 @@ def has_sum_scatter(group: mx.distributed.Group) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _block_fsdp_backward(wrapped: mxd.FullyShardedModule) -> None:
+    """Make gradients of ``wrapped`` fail at once, with :data:`FSDP_NO_GRADIENTS`.
+
+    Without this, ``nn.value_and_grad`` builds a graph whose ``sum_scatter`` only
+    fails when evaluated, with the backend's terse "[ring] sum_scatter not supported".
+    The guard is a custom function around the wrapper's gather: its forward is the
+    gather itself, its vjp raises while the gradient graph is being built (on every
+    rank alike, before the backward's sum_scatter is issued), so the group stays
+    usable and the forward keeps working.
+    """
+    gather = wrapped._gather_fn
+
+    @mx.custom_function
+    def guarded(shards: list[mx.array]) -> list[mx.array]:
+        return gather(shards)
+
+    @guarded.vjp
+    def guarded_vjp(shards: list[mx.array], cotangents: list[mx.array], _: list[mx.array]
+                    ) -> list[mx.array]:
+        raise RuntimeError(FSDP_NO_GRADIENTS)
+
+    wrapped._gather_fn = guarded
 
 
 def _shard_layer(

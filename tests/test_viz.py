@@ -510,6 +510,12 @@ def test_gradsync_figure_norm_and_byte_bars():
     assert ops["collective:embed.weight"] == "all_sum"
     assert ops["collective:layers.1.weight"] == "none"
     assert "agree across ranks" in fig.get_suptitle()
+    diff_ax = fig.axes[1]
+    notes = [t.get_text() for t in diff_ax.texts if t.get_gid() == "diff-note"]
+    assert notes == ["all 3 replicated gradients are identical on every rank after sync"]
+    assert len(diff_ax.get_yticks()) == 0
+    assert not [t for t in gradsync_figure(grad_samples()).axes[1].texts
+                if t.get_gid() == "diff-note"]
 
 
 def test_format_gradsync_lines():
@@ -522,6 +528,56 @@ def test_format_gradsync_lines():
     assert lines[-1] == "DESYNC (tol 1e-06 relative): layers.0.bias (max diff 0.0032)"
     ok = format_gradsync(grad_samples(diff_on=None)).splitlines()[-1]
     assert ok == "OK: all 3 replicated parameters agree across ranks (tol 1e-06)"
+
+
+def tp_samples(calls: int, nbytes: int, per_rank: dict[int, tuple[int, int]] | None = None
+               ) -> list[GradSample]:
+    """Tensor-parallel rows as engine.gradsync reports them: every nbytes is 0."""
+    out = []
+    for rank in range(2):
+        c, b = (per_rank or {}).get(rank, (calls, nbytes))
+        step = f"bwd all_sum/step: {c} call{'' if c == 1 else 's'}, {b:,} B"
+        for name, shape, replicated in PARAMS:
+            what = "none (local shard gradient" if not replicated else (
+                "all_sum of input grads in bwd (sum_gradients" if c else
+                "none (replicated, not synchronised")
+            out.append(GradSample(name, rank, replicated, 1.0, 1.0, 0.0, shape,
+                                  f"{what}; {step})", 0))
+    return out
+
+
+def _note(fig) -> str:
+    notes = [t for t in fig.axes[2].texts if t.get_gid() == "bytes-note"]
+    assert len(notes) == 1
+    return " ".join(notes[0].get_text().split())
+
+
+def test_gradsync_bytes_panel_explains_a_step_without_per_parameter_bytes():
+    fig = gradsync_figure(tp_samples(3, 12_288))
+    bytes_ax = fig.axes[2]
+    assert _note(fig) == (
+        "no per-parameter gradient collective; the backward all_sum of activation gradients "
+        "moved 12.0 KiB per step on each rank (3 calls), shared by the parameters upstream of it")
+    assert not [p for p in bytes_ax.patches if (p.get_gid() or "").startswith("bytes:")]
+    assert len(bytes_ax.get_yticks()) == 0  # no axis of '0 B' ticks
+    ops = {t.get_gid(): t.get_text() for t in bytes_ax.texts if t.get_gid() != "bytes-note"}
+    assert ops["collective:embed.weight"] == "all_sum"
+    assert ops["collective:layers.1.weight"] == "none"
+    fig.canvas.draw()  # renders
+
+
+def test_gradsync_bytes_note_when_nothing_was_synchronised():
+    assert "no gradient collective in this step" in _note(gradsync_figure(tp_samples(0, 0)))
+    odd = _note(gradsync_figure(tp_samples(1, 1024, {1: (2, 2048)})))
+    assert "rank 0 1.0 KiB (1 call), rank 1 2.0 KiB (2 calls)" in odd
+    one_rank = [GradSample("w", 0, True, 1.0, 1.0, 0.0, (4,), "none (1 rank)", 0)]
+    assert _note(gradsync_figure(one_rank)) == (
+        "no collective moved gradient bytes in this step (collective: none)")
+    text = format_gradsync(tp_samples(1, 1024))
+    assert text.splitlines()[-2].startswith("no per-parameter gradient collective; the "
+                                            "backward all_sum of activation gradients moved "
+                                            "1.0 KiB per step on each rank (1 call)")
+    assert "no per-parameter" not in format_gradsync(grad_samples())
 
 
 # --------------------------------------------------------------------------- plan

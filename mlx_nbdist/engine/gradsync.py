@@ -17,9 +17,11 @@ What "before" and "after" mean depends on how the model is parallelised:
     before: the gradient computed with ``mlx.nn.layers.distributed.sum_gradients``
     temporarily replaced by a plain identity (the size-1 path MLX itself uses for a
     group of one), i.e. every rank back-propagates only its own shard's contribution;
-    after: the real gradient. Sharded parameters get identical before/after (their
-    gradient is local by construction); replicated parameters upstream of an
-    all-to-sharded layer are the ones the backward ``all_sum`` fixes.
+    after: the real gradient. Parameters that no all-to-sharded layer's input
+    depends on get identical before/after (a single Megatron pair fed the data
+    directly: every gradient is local); parameters upstream of one (replicated, and
+    sharded ones too, e.g. the first pair's weights in a two-pair Megatron stack)
+    are the ones the backward ``all_sum`` fixes.
 ``fsdp`` (a ``FullyShardedModule`` from ``fully_shard``)
     before: this rank's own rows of the full gradient it computed from its data
     (the wrapper's gather function is temporarily swapped for one whose backward
@@ -29,11 +31,14 @@ What "before" and "after" mean depends on how the model is parallelised:
 Limits: one group (no 2-D TP x DP); ``tp`` assumes every rank feeds the same batch
 (``max_diff_after`` of replicated parameters shows when they do not); the TP
 backward ``all_sum`` moves activation gradients shared by every upstream parameter,
-so its bytes are reported once per step in the ``collective`` text and ``nbytes`` is
-0 for those rows; the ``fsdp`` before-gradient ignores ``compute_dtype``, and ``fsdp``
-needs a backend with ``sum_scatter`` (MLX 0.32's ring and mpi CPU backends lack it:
-a clear ``RuntimeError`` is raised there, on every rank). Two forward/backward passes
-are run (before and after).
+so its calls and bytes per step are reported in every row's ``collective`` text
+(``bwd all_sum/step: K calls, N B``) and ``nbytes`` is 0 for every ``tp`` row (a
+backward where no input of an all-to-sharded layer needs a gradient, e.g. a Megatron
+MLP fed the data directly, does no all_sum at all: K = 0); the ``fsdp``
+before-gradient ignores ``compute_dtype``, and ``fsdp`` needs a backend with
+``sum_scatter`` (MLX 0.32's ring and mpi CPU backends lack it: a clear
+``RuntimeError`` is raised there, on every rank). Two forward/backward passes are
+run (before and after).
 """
 
 from __future__ import annotations
@@ -152,18 +157,26 @@ def _tp_step(
     with _sum_gradients(lambda original: _recording(original, recorded)):
         after = _grads(model, loss_fn, args)
         mx.eval(after)
-    total = sum(recorded)
-    shared = (f"all_sum of input grads in bwd (sum_gradients; {len(recorded)} call(s), "
-              f"{total:,} B/step shared by upstream params)")
+    step = step_collective_text(len(recorded), sum(recorded))
     sync: dict[str, tuple[str, int]] = {}
     for path, g in after.items():
-        if specs[path].axis is not None:
-            sync[path] = ("none (local shard gradient)", 0)
-        elif not bool(mx.array_equal(before[path], g)):
-            sync[path] = (shared, 0)
+        if not bool(mx.array_equal(before[path], g)):
+            # the backward all_sum of an all-to-sharded layer's input gradient changed it
+            sync[path] = (f"all_sum of input grads in bwd (sum_gradients; {step})", 0)
+        elif specs[path].axis is not None:
+            sync[path] = (f"none (local shard gradient; {step})", 0)
         else:
-            sync[path] = ("none (same on every rank)", 0)
+            sync[path] = (f"none (replicated, not synchronised; {step})", 0)
     return before, after, sync
+
+
+def step_collective_text(calls: int, nbytes: int) -> str:
+    """How the tensor-parallel backward synchronised this step, as rows report it.
+
+    ``mlx_nbdist.viz.gradsync`` reads this text back (``calls``, ``nbytes``) to say
+    what moved when no row has bytes of its own; keep the two in step.
+    """
+    return f"bwd all_sum/step: {calls} call{'' if calls == 1 else 's'}, {nbytes:,} B"
 
 
 def _identity(x: mx.array) -> mx.array:

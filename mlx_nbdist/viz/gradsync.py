@@ -173,6 +173,17 @@ def _draw_diffs(ax: Axes, checks: Sequence[_Check], tol: float) -> None:
             gid=f"difftext:{c.name}",
         )
     ax.set_ylim(0, top * 1.45)
+    if all(c.max_diff == 0 for c in checks):  # nothing to scale: say it instead
+        ax.set_yticks([])
+        replicated = sum(1 for c in checks if c.replicated)
+        if replicated == 1:
+            note = "the replicated gradient is identical on every rank after sync"
+        elif replicated:
+            note = f"all {replicated} replicated gradients are identical on every rank after sync"
+        else:
+            note = "no replicated parameter: every gradient is a local shard"
+        ax.text(0.5, 0.55, note, ha="center", va="center", fontsize=8.5, color="0.15",
+                transform=ax.transAxes, gid="diff-note")
     ax.set_ylabel("max |g_r - g_0|\nafter sync", fontsize=8)
     ax.set_title(f"replicas after sync (flagged above {tol:g} x RMS of the gradient)", fontsize=9)
 
@@ -194,9 +205,17 @@ def _short_op(collective: str) -> str:
 def _draw_bytes(
     ax: Axes, samples: Sequence[GradSample], params: list[str], ranks: list[int]
 ) -> None:
-    """Per parameter and rank, the bytes the synchronising collective moved."""
+    """Per parameter and rank, the bytes the synchronising collective moved.
+
+    When no row moved bytes of its own (tensor parallelism synchronises activation
+    gradients once per step, not per parameter; one rank has nothing to sync) the
+    panel says so in words instead of drawing an empty axis.
+    """
     index = _index(samples)
     group_pt = ax.get_figure().get_size_inches()[0] * 72 * 0.8 / max(len(params), 1)
+    if all(s.nbytes == 0 for s in samples):
+        _draw_no_bytes(ax, samples, params, ranks, group_pt)
+        return
     for i, name in enumerate(params):
         group = [index[(name, r)] for r in ranks if (name, r) in index]
         for s in group:
@@ -230,6 +249,74 @@ def _draw_bytes(
     else:
         ax.margins(y=0.25)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: human_bytes(v)))
+    ax.set_ylabel("bytes moved", fontsize=8)
+    ax.set_title("collective and bytes per parameter and rank", fontsize=9)
+    _collective_legend(ax, samples)
+
+
+#: What ``mlx_nbdist.engine.gradsync`` writes in the ``collective`` of tensor-parallel
+#: rows: the backward all_sum calls and bytes of the whole step on that rank.
+_STEP_RE = re.compile(r"bwd all_sum/step: (\d+) calls?, ([\d,]+) B")
+
+
+def no_bytes_note(samples: Sequence[GradSample]) -> str:
+    """Why no parameter reports bytes, for the bytes panel when every ``nbytes`` is 0.
+
+    Args:
+        samples: one sample per parameter and rank, all with ``nbytes == 0``.
+
+    Returns:
+        One sentence: the per-step backward all_sum of activation gradients (its bytes
+        per rank and calls, read from the ``collective`` texts), or that nothing was
+        synchronised in the backward.
+    """
+    per_rank: dict[int, tuple[int, int]] = {}
+    for s in samples:
+        m = _STEP_RE.search(s.collective)
+        if m:
+            per_rank[s.rank] = (int(m.group(1)), int(m.group(2).replace(",", "")))
+    if not per_rank:
+        ops = sorted({_short_op(s.collective) for s in samples if s.collective})
+        how = f" (collective: {', '.join(ops)})" if ops else ""
+        return f"no collective moved gradient bytes in this step{how}"
+    distinct = set(per_rank.values())
+    calls, nbytes = max(distinct)
+    if calls == 0 and len(distinct) == 1:
+        return ("no gradient collective in this step: every rank computes its gradients "
+                "locally (no all-to-sharded layer's input needs a gradient, so the backward "
+                "does no all_sum)")
+    if len(distinct) == 1:
+        moved = f"{human_bytes(nbytes)} per step on each rank ({_calls(calls)})"
+    else:
+        moved = "per step: " + ", ".join(
+            f"rank {r} {human_bytes(b)} ({_calls(c)})" for r, (c, b) in sorted(per_rank.items()))
+    return ("no per-parameter gradient collective; the backward all_sum of activation "
+            f"gradients moved {moved}, shared by the parameters upstream of it")
+
+
+def _calls(n: int) -> str:
+    return f"{n} call" if n == 1 else f"{n} calls"
+
+
+def _draw_no_bytes(
+    ax: Axes, samples: Sequence[GradSample], params: list[str], ranks: list[int],
+    group_pt: float,
+) -> None:
+    index = _index(samples)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    for i, name in enumerate(params):
+        group = [index[(name, r)] for r in ranks if (name, r) in index]
+        ops = sorted({_short_op(s.collective) for s in group})
+        text = "/".join(ops)
+        ax.text(i, 0.03, text, ha="center", va="bottom", fontsize=7,
+                rotation=90 if len(text) * 4.5 > group_pt else 0,
+                color=DESYNC_COLOR if len(ops) > 1 else "0.2", gid=f"collective:{name}")
+    width_chars = max(30, int(ax.get_figure().get_size_inches()[0] * 72 * 0.75 / 5.5))
+    ax.text(0.5, 0.62, textwrap.fill(no_bytes_note(samples), width_chars), ha="center",
+            va="center", fontsize=8.5, color="0.15", transform=ax.transAxes,
+            bbox={"boxstyle": "round,pad=0.5", "facecolor": "#f4f4f4", "edgecolor": "0.6"},
+            gid="bytes-note")
     ax.set_ylabel("bytes moved", fontsize=8)
     ax.set_title("collective and bytes per parameter and rank", fontsize=9)
     _collective_legend(ax, samples)
@@ -327,7 +414,8 @@ def format_gradsync(samples: list[GradSample], *, tol: float = DEFAULT_TOL) -> s
 
     Returns:
         One row per parameter and rank (kind, norms before and after, max diff,
-        collective, bytes, check) and a verdict line naming desynced parameters.
+        collective, bytes, check), :func:`no_bytes_note` when no row moved bytes,
+        and a verdict line naming desynced parameters.
     """
     checks = {c.name: c for c in _checks(samples, tol)}
     order = {n: i for i, n in enumerate(checks)}
@@ -360,6 +448,8 @@ def format_gradsync(samples: list[GradSample], *, tol: float = DEFAULT_TOL) -> s
         "check",
     )
     lines = _text_table(headers, rows, align="llrrrrlrl")
+    if samples and all(s.nbytes == 0 for s in samples):
+        lines.append(no_bytes_note(samples))
     bad = [c for c in checks.values() if c.flagged]
     if bad:
         names = ", ".join(f"{c.name} (max diff {c.max_diff:.3g})" for c in bad)
