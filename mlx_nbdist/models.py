@@ -13,10 +13,11 @@ object itself and call :mod:`mlx_nbdist.sharding` directly::
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import remote
+from .engine import remote, transfer
 from .errors import ShardingError
 from .results import GradSample, PlanRow, TensorSlice
 from .session import Session
@@ -140,10 +141,11 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    got = s.apply(remote.slice_of, name, max_elements)
+    prefix = f"mlxnb-{s.session_id}"
+    got = s.apply(remote.slice_of, name, max_elements, prefix, socket.gethostname())
     out = []
-    for _, (meta, data) in sorted(got.items()):
-        meta = dict(meta, data=data)
+    for _, (meta, packed) in sorted(got.items()):
+        meta = dict(meta, data=None if packed is None else transfer.unpack(packed))
         meta["shape"], meta["full_shape"] = tuple(meta["shape"]), tuple(meta["full_shape"])
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
         out.append(TensorSlice(**meta))

@@ -12,8 +12,10 @@ two cores: slow collectives, so only the core checks run there, marked ``4ranks`
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -428,15 +430,24 @@ def test_slices_sample_and_zero_copy(s2):
         stride = math.ceil(w.shape[0] / sm.data.shape[0])
         np.testing.assert_array_equal(sm.data, w.data[::stride, ::stride])
         assert sm.summary == pytest.approx(w.summary)  # the stats cover the whole slice
-    # 8 KiB per rank: the values arrive as their own zmq frame, not inside the pickle
+    # ranks on the notebook's host: values come through shared memory, mapped (not
+    # copied, not pickled), and the shared-memory file is already unlinked
     for sl in whole:
         owner = buffer_owner(sl.data)
-        assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame), type(owner)
+        assert isinstance(owner, memoryview) and isinstance(owner.obj, mmap.mmap), type(owner)
         assert not sl.data.flags.owndata
+    assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
+    # a rank on another host (no shared memory): 8 KiB arrive as their own zmq frame,
+    # not inside the pickle
+    from mlx_nbdist.engine import remote
+
+    for _, (_meta, packed) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
+        owner = buffer_owner(packed["array"])
+        assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame), type(owner)
     # control: a 128-byte bias is under ipyparallel's buffer threshold and travels
     # in-band, so the check above does tell the two apart
-    small = mlx_nbdist.slices("zc.layers.2.bias", session=s2)
-    assert all(isinstance(buffer_owner(sl.data), bytes) for sl in small)
+    for _, (_meta, packed) in s2.apply(remote.slice_of, "zc.layers.2.bias", None).items():
+        assert isinstance(buffer_owner(packed["array"]), bytes)
 
 
 # --------------------------------------------------------------------------- figures

@@ -7,7 +7,7 @@ tuple so ipyparallel sends them as zero-copy buffers instead of pickling them.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import numpy as np
@@ -61,10 +61,17 @@ def shard_model(name: str, sharding: Any, segments: int) -> str:
     return "\n".join(str(w.message) for w in caught)
 
 
-def slice_of(expr: str, max_elements: int | None) -> tuple[dict[str, Any], np.ndarray | None]:
-    """This rank's slice of a parameter (metadata, values) for zero-copy transfer."""
+def slice_of(
+    expr: str, max_elements: int | None, shm_prefix: str | None = None, client_host: str = ""
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This rank's slice of a parameter: (metadata, packed values).
+
+    The values travel through shared memory when the notebook runs on this host
+    (``shm_prefix`` given), else as an out-of-band ipyparallel buffer.
+    """
     from .bootstrap import current
     from .slices import local_slice
+    from .transfer import pack, same_host
 
     obj, rest = resolve(expr)
     if not rest:
@@ -73,10 +80,11 @@ def slice_of(expr: str, max_elements: int | None) -> tuple[dict[str, Any], np.nd
         if not isinstance(obj, mx.array):
             raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
     sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
-    data = None if sl.data is None else np.ascontiguousarray(sl.data)
-    meta = asdict(sl)
-    meta["data"] = None
-    return meta, data
+    prefix = shm_prefix if shm_prefix and same_host(client_host) else None
+    packed = None if sl.data is None else pack(sl.data, prefix)
+    # not dataclasses.asdict: it would deep-copy the values we just packed
+    meta = {f.name: getattr(sl, f.name) for f in fields(sl) if f.name != "data"}
+    return meta, packed
 
 
 def quantized_parts(expr: str) -> list[str]:

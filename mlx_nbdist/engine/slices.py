@@ -119,7 +119,7 @@ def _to_numpy(arr: mx.array) -> np.ndarray:
 def _sample(values: np.ndarray, max_elements: int | None) -> tuple[np.ndarray, bool]:
     """A strided view with at most ``max_elements`` elements (one stride for all axes)."""
     if max_elements is None or values.size <= max_elements:
-        return np.array(values, copy=True), False
+        return values, False  # the caller copies it once, into the transfer
     limit = max(int(max_elements), 1)
     stride = max(1, int(math.ceil((values.size / limit) ** (1 / max(values.ndim, 1)))))
     while math.prod(-(-d // stride) for d in values.shape) > limit:
@@ -128,12 +128,16 @@ def _sample(values: np.ndarray, max_elements: int | None) -> tuple[np.ndarray, b
 
 
 def _summary(values: np.ndarray) -> dict[str, float]:
+    """min, max, mean, std and norm in a few fast passes (no float64 copy of the slice)."""
     if values.size == 0:
         nan = float("nan")
         return {"min": nan, "max": nan, "mean": nan, "std": nan, "norm": 0.0}
-    mean = float(values.mean(dtype=np.float64))
-    std = float(values.std(dtype=np.float64))
-    # sum(x^2) = n * (var + mean^2): the norm without a float64 copy of the slice.
-    norm = math.sqrt(max(values.size * (std * std + mean * mean), 0.0))
-    return {"min": float(values.min()), "max": float(values.max()), "mean": mean,
-            "std": std, "norm": norm}
+    flat = values.reshape(-1)
+    if not np.issubdtype(flat.dtype, np.floating):
+        flat = flat.astype(np.float64)
+    mean = float(np.add.reduce(flat, dtype=np.float64)) / flat.size
+    sumsq = float(np.dot(flat, flat)) if flat.dtype != np.float16 else float(
+        np.dot(flat.astype(np.float32), flat.astype(np.float32)))
+    var = max(sumsq / flat.size - mean * mean, 0.0)
+    return {"min": float(flat.min()), "max": float(flat.max()), "mean": mean,
+            "std": math.sqrt(var), "norm": math.sqrt(max(sumsq, 0.0))}
