@@ -24,7 +24,7 @@ def _pickled(name: str):  # runs on the ranks
     from mlx_nbdist.engine.remote import slice_of
     from mlx_nbdist.results import TensorSlice
 
-    meta, data = slice_of(name, None)
+    meta, _info, data = slice_of(name, None)
     return TensorSlice(**{**meta, "data": data})  # one object: pickled in-band
 
 

@@ -144,8 +144,8 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
     prefix = f"mlxnb-{s.session_id}"
     got = s.apply(remote.slice_of, name, max_elements, prefix, socket.gethostname())
     out = []
-    for _, (meta, packed) in sorted(got.items()):
-        meta = dict(meta, data=None if packed is None else transfer.unpack(packed))
+    for _, (meta, info, values) in sorted(got.items()):
+        meta = dict(meta, data=None if info is None else transfer.unpack(info, values))
         meta["shape"], meta["full_shape"] = tuple(meta["shape"]), tuple(meta["full_shape"])
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
         out.append(TensorSlice(**meta))

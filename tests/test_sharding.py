@@ -441,13 +441,13 @@ def test_slices_sample_and_zero_copy(s2):
     # not inside the pickle
     from mlx_nbdist.engine import remote
 
-    for _, (_meta, packed) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
-        owner = buffer_owner(packed["array"])
+    for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
+        owner = buffer_owner(values)
         assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame), type(owner)
     # control: a 128-byte bias is under ipyparallel's buffer threshold and travels
     # in-band, so the check above does tell the two apart
-    for _, (_meta, packed) in s2.apply(remote.slice_of, "zc.layers.2.bias", None).items():
-        assert isinstance(buffer_owner(packed["array"]), bytes)
+    for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.2.bias", None).items():
+        assert isinstance(buffer_owner(values), bytes)
 
 
 # --------------------------------------------------------------------------- figures

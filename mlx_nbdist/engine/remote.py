@@ -63,11 +63,12 @@ def shard_model(name: str, sharding: Any, segments: int) -> str:
 
 def slice_of(
     expr: str, max_elements: int | None, shm_prefix: str | None = None, client_host: str = ""
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """This rank's slice of a parameter: (metadata, packed values).
+) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None]:
+    """This rank's slice of a parameter: (metadata, transfer info, values or None).
 
     The values travel through shared memory when the notebook runs on this host
-    (``shm_prefix`` given), else as an out-of-band ipyparallel buffer.
+    (``shm_prefix`` given), else as an out-of-band ipyparallel buffer (a top-level
+    item of the returned tuple).
     """
     from .bootstrap import current
     from .slices import local_slice
@@ -81,10 +82,10 @@ def slice_of(
             raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
     sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
     prefix = shm_prefix if shm_prefix and same_host(client_host) else None
-    packed = None if sl.data is None else pack(sl.data, prefix)
+    info, values = (None, None) if sl.data is None else pack(sl.data, prefix)
     # not dataclasses.asdict: it would deep-copy the values we just packed
     meta = {f.name: getattr(sl, f.name) for f in fields(sl) if f.name != "data"}
-    return meta, packed
+    return meta, info, values
 
 
 def quantized_parts(expr: str) -> list[str]:

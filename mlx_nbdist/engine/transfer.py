@@ -26,7 +26,7 @@ def shm_available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-def pack(values: np.ndarray, prefix: str | None) -> dict[str, Any]:
+def pack(values: np.ndarray, prefix: str | None) -> tuple[dict[str, Any], np.ndarray | None]:
     """Describe ``values`` for the trip to the notebook.
 
     Args:
@@ -35,13 +35,14 @@ def pack(values: np.ndarray, prefix: str | None) -> dict[str, Any]:
             (``None``: send the array itself).
 
     Returns:
-        ``{"shm": path, ...}`` or ``{"array": values}``, with dtype and shape.
+        ``(info, None)`` with ``info["shm"]`` the shared-memory file, or ``(info,
+        values)``. Return the array as a top-level item of the result tuple:
+        ipyparallel sends top-level arrays as raw buffers, nested ones inside the pickle.
     """
     values = np.ascontiguousarray(values)
-    out: dict[str, Any] = {"dtype": values.dtype.str, "shape": values.shape}
+    info: dict[str, Any] = {"dtype": values.dtype.str, "shape": values.shape}
     if prefix is None or values.nbytes == 0 or not shm_available():
-        out["array"] = values
-        return out
+        return info, values
     path = SHM_DIR / f"{prefix}-{os.getpid()}-{next(_counter)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
@@ -52,23 +53,23 @@ def pack(values: np.ndarray, prefix: str | None) -> dict[str, Any]:
             done += os.write(fd, view[done:])
     finally:
         os.close(fd)
-    out["shm"] = str(path)
-    return out
+    info["shm"] = str(path)
+    return info, None
 
 
-def unpack(packed: dict[str, Any]) -> np.ndarray:
+def unpack(info: dict[str, Any], values: np.ndarray | None) -> np.ndarray:
     """The notebook side of :func:`pack`: a numpy array (shared memory is mapped, not copied)."""
-    if "array" in packed:
-        return packed["array"]
-    path = packed["shm"]
+    if values is not None:
+        return values
+    path = info["shm"]
     fd = os.open(path, os.O_RDONLY)
     try:
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
         os.unlink(path)  # the mapping keeps the memory until the array is gone
-    arr = np.frombuffer(mm, dtype=np.dtype(packed["dtype"]))
-    return arr.reshape(packed["shape"])
+    arr = np.frombuffer(mm, dtype=np.dtype(info["dtype"]))
+    return arr.reshape(info["shape"])
 
 
 def same_host(host: str) -> bool:
