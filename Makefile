@@ -23,7 +23,11 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check mlx_nbdist tests
+	$(BIN)/ruff check mlx_nbdist tests bench
+
+# Benchmarks: side-by-side ratios, written to docs/performance.md (several minutes).
+bench: setup
+	$(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache reports
