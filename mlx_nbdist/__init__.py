@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .api import current_session, start, stop
+from .engine.progress import log_scalars, progress
 from .errors import (
     CellError,
     CellInterrupted,
@@ -41,6 +42,9 @@ __all__ = [
     "StartError",
     "check",
     "current_session",
+    "dashboard",
+    "log_scalars",
+    "progress",
     "gradsync",
     "plan",
     "shard",
@@ -49,6 +53,15 @@ __all__ = [
     "start",
     "stop",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: `import mlx_nbdist` (also on the ranks) must not load ipywidgets
+    if name == "dashboard":
+        from .viz.dashboard import dashboard
+
+        return dashboard
+    raise AttributeError(f"module 'mlx_nbdist' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython: Any) -> None:

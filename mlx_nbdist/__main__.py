@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_nbdist demo`` (more commands come with the kernel)."""
+"""Command line: ``python -m mlx_nbdist demo | install-kernel``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,44 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="run the tensor-parallel demo headless")
     demo.add_argument("-n", type=int, default=2, help="number of ranks")
+    kern = sub.add_parser(
+        "install-kernel",
+        help="install a Jupyter kernel whose cells run on every rank",
+        description="Install a Jupyter kernelspec 'MLX distributed, N ranks': the session "
+        "starts with the kernel and stops with it, every cell runs on every rank, "
+        "%%local runs a cell in the kernel itself.",
+    )
+    kern.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
+    kern.add_argument("--backend", choices=("ring", "mpi"), default="ring")
+    kern.add_argument("--launcher", choices=("local", "mpi"), default="")
+    kern.add_argument("--name", default=None, help="kernelspec name (default mlx-nbdist-N)")
+    kern.add_argument("--display-name", default=None)
+    where = kern.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user only")
+    where.add_argument("--prefix", default=None, help="install under PREFIX/share/jupyter")
     args = p.parse_args(argv)
     if args.cmd == "demo":
         return run_demo(n=args.n)
+    if args.cmd == "install-kernel":
+        from .errors import SetupError
+        from .kernel import install, kernel_spec
+
+        try:
+            path = install(
+                args.n,
+                backend=args.backend,
+                launcher=args.launcher,
+                name=args.name,
+                display_name=args.display_name,
+                user=args.user,
+                prefix=args.prefix,
+            )
+        except SetupError as e:
+            print(f"install-kernel: {e}", file=sys.stderr)
+            return 2
+        display = args.display_name or kernel_spec(args.n, args.backend)["display_name"]
+        print(f"installed kernel {display!r} in {path}")
+        return 0
     return 2
 
 

@@ -22,7 +22,7 @@ def current_session(required: bool = True) -> Session | None:
     return _CURRENT
 
 
-def start(n: int = 2, **kwargs: object) -> Session:
+def start(n: int | None = None, **kwargs: object) -> Session:
     """Start a session and make it the current one (what ``%mlxdist start`` does)."""
     s = Session(n, **kwargs).start()  # type: ignore[arg-type]
     set_current_session(s)
@@ -54,7 +54,7 @@ def format_status(st: SessionStatus) -> str:
             busy = f" cell {live.cell} for {now - live.cell_started:.1f} s"
         coll = f", {live.collectives} collectives" if live else ""
         lines.append(
-            f"  rank {r}: {state}{busy}, pid {info.pid}, {info.device}, engine {info.engine_id}"
-            f"{coll}"
+            f"  rank {r}: {state}{busy}, pid {info.pid} on {info.host}, {info.device}, "
+            f"engine {info.engine_id}{coll}"
         )
     return "\n".join(lines)

@@ -3,6 +3,12 @@
 Every command maps to a plain function or :class:`~mlx_nbdist.session.Session`
 method; this module only parses arguments and shows results. Defaults are traitlets
 settings, so ``%config MLXDist.timeout = 60`` changes the deadline of later cells.
+
+While a ``%%mlxdist`` cell runs, per-rank progress bars and scalar plots published
+with ``mlx_nbdist.progress`` / ``mlx_nbdist.log_scalars`` show under it
+(:class:`~mlx_nbdist.viz.progress.LiveCell`); ``%mlxdist dashboard`` shows the live
+dashboard, ``%mlxdist auto on|off`` switches auto mode (:mod:`mlx_nbdist.autopx`),
+and ``%%local`` runs a cell here when auto mode is on.
 """
 
 from __future__ import annotations
@@ -10,17 +16,19 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import threading
 import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from traitlets import Bool, Float, Unicode
 
-from . import api, models
+from . import api, autopx, models
 from .errors import MLXDistError, NotStartedError, SetupError, ShardingError
 from .session import Session
 from .viz.cells import display_cell
+from .viz.progress import LiveCell
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +78,12 @@ def _line_parser() -> _Parser:
     start = sub.add_parser("start", help="start N ranks in one MLX group", add_help=False)
     start.add_argument("-n", type=_positive_int, default=None, help="number of ranks")
     start.add_argument("--backend", choices=("ring", "mpi"), default=None)
-    start.add_argument("--launcher", choices=("local", "mpi"), default=None)
+    start.add_argument("--launcher", choices=("local", "ssh", "mpi"), default=None)
+    start.add_argument("--hostfile", default=None, help="MLX hostfile (hosts: ssh names, ips)")
+    start.add_argument("--hosts", default=None, help="comma separated hosts, or 'slurm' / 'local'")
+    start.add_argument("--controller-ip", dest="controller_ip", default=None,
+                       help="address of this machine that the hosts reach")
+    start.add_argument("--python", default=None, help="Python interpreter on the hosts")
     for name in ("stop", "status", "cleanup"):
         sub.add_parser(name, add_help=False)
     restart = sub.add_parser("restart", add_help=False)
@@ -92,6 +105,11 @@ def _line_parser() -> _Parser:
     grad.add_argument("--text", action="store_true")
     check = sub.add_parser("check", add_help=False)
     check.add_argument("model")
+    dash = sub.add_parser("dashboard", add_help=False)
+    dash.add_argument("--model", default=None, help="show this model's parameters per rank")
+    dash.add_argument("--interval", type=_seconds, default=0.5, help="seconds between updates")
+    auto = sub.add_parser("auto", add_help=False)
+    auto.add_argument("switch", choices=("on", "off"))
     return p
 
 
@@ -127,7 +145,9 @@ class MLXDist(Magics):
         """Run a cell on every rank (cell magic) or manage the session (line magic).
 
         Line: ``%mlxdist start -n N [--backend ring|mpi] [--launcher local|mpi]``,
-        ``stop``, ``restart``, ``status``, ``cleanup``.
+        ``stop``, ``restart``, ``status``, ``cleanup``, ``dashboard [--model NAME]
+        [--interval S]``, ``auto on|off``, and the model commands ``plan``, ``shard``,
+        ``show``, ``gradsync``, ``check``.
         Cell: ``%%mlxdist [--ranks 0,2] [--timeout S] [--quiet] [--check-collectives]``.
         """
         if cell is not None:
@@ -136,7 +156,7 @@ class MLXDist(Magics):
         if args.cmd is None:
             raise UsageError(
                 "%mlxdist needs a command: start, stop, restart, status, cleanup, plan, "
-                "shard, show, gradsync, check "
+                "shard, show, gradsync, check, dashboard, auto on|off "
                 "(or use %%mlxdist as a cell magic)"
             )
         return getattr(self, f"_cmd_{args.cmd}")(args)
@@ -151,31 +171,44 @@ class MLXDist(Magics):
 
     # -- line commands ---------------------------------------------------------------
     def _cmd_start(self, args: argparse.Namespace) -> None:
-        n = args.n or int(self.n)
+        from . import hosts as _hosts
+
+        multi = bool(args.hostfile or args.hosts or _hosts.in_slurm_allocation())
+        # with hosts, None means one rank per hostfile entry / host / Slurm task
+        n = args.n if multi else (args.n or int(self.n))
         backend = args.backend or self.backend
-        launcher = args.launcher or self.launcher or ("mpi" if backend == "mpi" else "local")
+        try:
+            _wait_for_background_start()
+        except UsageError as e:  # the kernel's own start failed: say why, start again
+            print(str(e).splitlines()[0], file=sys.stderr)
+        # built first: it starts nothing, and bad hosts/flags become a UsageError
+        session = self._guard(lambda: Session(
+            n,
+            backend=backend,
+            launcher=args.launcher or self.launcher or None,
+            hosts=args.hosts,
+            hostfile=args.hostfile,
+            controller_ip=args.controller_ip,
+            python=args.python,
+            timeout=self.timeout or None,
+            start_timeout=self.start_timeout,
+            check_collectives=self.check_collectives,
+        ))
         s = api.current_session(required=False)
         if s is not None and s.state != "stopped":
-            if s.n != n or s.backend != backend or s.launcher != launcher:
+            want = (session.n, session.backend, session.launcher)
+            if (s.n, s.backend, s.launcher) != want:
                 hint = (
-                    f"%mlxdist restart -n {n}"
-                    if (s.backend, s.launcher) == (backend, launcher)
+                    f"%mlxdist restart -n {session.n}"
+                    if (s.backend, s.launcher) == want[1:]
                     else "%mlxdist stop, then start again"
                 )
                 raise UsageError(
                     f"a session of {s.n} ranks ({s.backend}/{s.launcher}) is already running; "
-                    f"to get {n} ranks ({backend}/{launcher}) use {hint}"
+                    f"to get {session.n} ranks ({session.backend}/{session.launcher}) use {hint}"
                 )
             print(f"session {s.session_id} is already running: {_describe(s)}")
             return
-        session = Session(
-            n,
-            backend=backend,
-            launcher=launcher,
-            timeout=self.timeout or None,
-            start_timeout=self.start_timeout,
-            check_collectives=self.check_collectives,
-        )
         with _Progress() as progress, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self._guard(session.start, progress.update)
@@ -185,6 +218,7 @@ class MLXDist(Magics):
         print(_describe(session, ranks=True))
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
+        _wait_for_background_start()
         s = api.current_session(required=False)
         if s is None or s.state == "stopped":
             print("no session is running")
@@ -202,6 +236,7 @@ class MLXDist(Magics):
         print(_describe(s, ranks=True))
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
+        _wait_for_background_start()
         s = api.current_session(required=False)
         if s is None:
             print("no session (start one with %mlxdist start -n N)")
@@ -248,6 +283,29 @@ class MLXDist(Magics):
         report = models.check(args.model, session=self._session())
         print(report, file=sys.stdout if report.ok else sys.stderr)
 
+    def _cmd_dashboard(self, args: argparse.Namespace) -> None:
+        from .viz.dashboard import dashboard
+
+        s = self._session(allow_stopped=True)
+        global _DASHBOARD
+        if _DASHBOARD is not None:  # the cell was run again: the old view is gone
+            _DASHBOARD.close()
+        _DASHBOARD = dashboard(s, model=args.model, interval=args.interval or 0.5)
+
+    def _cmd_auto(self, args: argparse.Namespace) -> None:
+        if args.switch == "on":
+            autopx.enable(self.shell)
+            print("auto mode on: every cell runs on the ranks; start a cell with %%local "
+                  "to run it here, or with a %magic for the client")
+        else:
+            autopx.disable(self.shell)
+            print("auto mode off: cells run here; use %%mlxdist to run one on the ranks")
+
+    @cell_magic
+    def local(self, line: str, cell: str) -> None:
+        """``%%local``: run this cell here, on the notebook's client (for auto mode)."""
+        self.shell.run_cell(cell, store_history=False)
+
     def _cmd_cleanup(self, args: argparse.Namespace) -> None:
         from .session import cleanup
 
@@ -260,12 +318,14 @@ class MLXDist(Magics):
         s = self._session()
         timeout = self.timeout if args.timeout is None else args.timeout
         try:
-            result = s.run(
-                cell,
-                ranks=args.ranks,
-                timeout=timeout or None,
-                check_collectives=args.check_collectives,
-            )
+            with LiveCell(s) as live:
+                result = s.run(
+                    cell,
+                    ranks=args.ranks,
+                    timeout=timeout or None,
+                    check_collectives=args.check_collectives,
+                    on_tick=live.tick,
+                )
         except ValueError as e:  # bad --ranks
             raise UsageError(f"%%mlxdist: {e}") from None
         except MLXDistError as e:
@@ -276,6 +336,7 @@ class MLXDist(Magics):
         display_cell(result, quiet=args.quiet)
 
     def _session(self, allow_stopped: bool = False) -> Session:
+        _wait_for_background_start()
         try:
             s = api.current_session()
         except NotStartedError as e:
@@ -301,8 +362,69 @@ def _describe(s: Session, ranks: bool = False) -> str:
         return head
     lines = [head]
     for r, info in s.ranks.items():
-        lines.append(f"  rank {r}: {info.device}, pid {info.pid}, engine {info.engine_id}")
+        lines.append(
+            f"  rank {r}: {info.device} on {info.host}, pid {info.pid}, engine {info.engine_id}"
+        )
     return "\n".join(lines)
+
+
+_DASHBOARD: Any = None
+_STARTING: dict[str, Any] = {}
+
+
+def start_in_background(session: Session) -> threading.Thread:
+    """Start ``session`` in a thread (the distributed kernel does this at launch).
+
+    The first command that needs the session waits for it, showing the start's
+    progress; a start that failed raises there, with its message.
+    """
+    state: dict[str, Any] = {"session": session, "messages": [], "error": None}
+
+    def run() -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                session.start(state["messages"].append)
+            api.set_current_session(session)
+        except BaseException as e:  # noqa: BLE001 - reported to the first cell
+            state["error"] = e
+
+    thread = threading.Thread(target=run, name="mlx_nbdist-start", daemon=True)
+    state["thread"] = thread
+    _STARTING.clear()
+    _STARTING.update(state)
+    thread.start()
+    return thread
+
+
+def _wait_for_background_start() -> None:
+    thread = _STARTING.get("thread")
+    if thread is None:
+        return
+    if thread.is_alive():
+        with _Progress() as progress:
+            seen = 0
+            while thread.is_alive():
+                msgs = _STARTING["messages"]
+                if len(msgs) > seen:
+                    seen = len(msgs)
+                    progress.update(msgs[-1])
+                thread.join(0.1)
+            progress.update("MLX group ready" if _STARTING["error"] is None else "start failed")
+    error = _STARTING.get("error")
+    _STARTING.clear()
+    if error is not None:
+        raise UsageError(
+            f"the MLX session did not start: {error}\n"
+            "start it by hand with %mlxdist start -n N (or restart the kernel)"
+        )
+
+
+def stop_background_start(timeout: float = 60.0) -> None:
+    """Wait for a background start to finish (so that stopping catches its processes)."""
+    thread = _STARTING.get("thread")
+    if thread is not None:
+        thread.join(timeout)
 
 
 class _Progress:

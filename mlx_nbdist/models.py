@@ -141,8 +141,7 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    prefix = f"mlxnb-{s.session_id}"
-    got = s.apply(remote.slice_of, name, max_elements, prefix, socket.gethostname())
+    got = s.apply(remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname())
     out = []
     for _, (meta, info, values) in sorted(got.items()):
         meta = dict(meta, data=None if info is None else transfer.unpack(info, values))

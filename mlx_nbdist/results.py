@@ -220,7 +220,7 @@ class GradSample:
     replicated: bool
     norm_before: float
     norm_after: float
-    #: max |after_r - after_0| over the elements (replicated parameters only, else 0).
+    #: ``max |after_r - after_0|`` over the elements (replicated parameters only, else 0).
     max_diff_after: float = 0.0
     shape: tuple[int, ...] = ()
     #: collective that synchronised it (``all_sum`` …) and the bytes it moved on this rank.

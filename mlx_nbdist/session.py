@@ -16,6 +16,9 @@ import atexit
 import json
 import os
 import secrets
+import signal
+import socket
+import threading
 import time
 import warnings
 import weakref
@@ -27,8 +30,10 @@ from typing import Any
 
 import psutil
 
+from . import hosts as _hosts
 from . import launch
 from .engine import bootstrap as _bootstrap
+from .engine import transfer
 from .errors import (
     CellError,
     CellInterrupted,
@@ -77,42 +82,104 @@ class SessionStatus:
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
+@dataclass
+class RankPlace:
+    """Where a rank runs, as the session found out when it started.
+
+    Attributes:
+        host: the host name it was launched on (``ssh`` name), or this machine's name.
+        addresses: its MLX ring endpoints (``ip:port``); empty for the mpi backend.
+        local: its process is visible here (same machine and PID space): liveness
+            and signals go through the PID; else through ipyparallel (registration)
+            and the launcher's ssh.
+        shared_files: its status file is in the session directory (shared disk).
+    """
+
+    host: str
+    addresses: list[str] = field(default_factory=list)
+    local: bool = True
+    shared_files: bool = True
+
+    def describe(self) -> str:
+        ips = sorted({a.rsplit(":", 1)[0] for a in self.addresses})
+        return f"{self.host} ({', '.join(ips)})" if ips and ips != [self.host] else self.host
+
+
 class Session:
-    """N ipyparallel engines in one MLX distributed group.
+    """N ipyparallel engines in one MLX distributed group, on one or several hosts.
 
     Args:
-        n: number of ranks.
-        backend: MLX backend, ``ring`` (loopback TCP, default) or ``mpi``.
-        launcher: ``local`` (ipyparallel local engines) or ``mpi`` (engines started
-            by ``mpirun``); defaults to ``mpi`` for the mpi backend, else ``local``.
+        n: number of ranks (default 2; with ``hostfile``, one per hostfile entry;
+            with ``hosts``, one per host).
+        backend: MLX backend, ``ring`` (TCP, default) or ``mpi``.
+        launcher: ``local`` (ipyparallel local engines), ``ssh`` (ipyparallel's SSH
+            engine launcher, on ``hosts``) or ``mpi`` (engines started by
+            ``mpirun``); defaults to ``mpi`` for the mpi backend, else ``ssh`` when
+            hosts are given, else ``local``.
         timeout: default deadline of a cell in seconds (``None``: no deadline).
         start_timeout: how long engines may take to register and join the group.
         check_collectives: verify op/shape/dtype across ranks before each collective.
+        hosts: ``"a,b"`` or ``["a", "b"]``: spread the ranks over these hosts;
+            ``"slurm"``: the nodes of the current Slurm allocation; ``"local"``:
+            this machine even inside a Slurm allocation. Default: this machine, or
+            the Slurm allocation when this process runs in one of several nodes.
+        hostfile: MLX's hostfile (``{"hosts": [{"ssh": name, "ips": [...]}, ...]}``,
+            as written by ``mlx.distributed_config``): entry ``i`` is rank ``i``.
+        controller_ip: the address of this machine the hosts reach the controller
+            on (default: the route towards the first host; ``0.0.0.0`` listens on
+            every interface and is only used when asked for).
+        ssh_cmd, scp_cmd: the commands ipyparallel's SSH launcher runs (default
+            ``ssh``/``scp`` with BatchMode and a 10 s connect timeout).
+        python: the Python interpreter on the hosts (default: this one's path).
+        assume_remote: treat every rank as if on another machine even when this one
+            sees its process and files (liveness through ipyparallel, signals
+            through ssh, no status files); for tests and debugging.
     """
 
     def __init__(
         self,
-        n: int = 2,
+        n: int | None = None,
         *,
         backend: str = "ring",
         launcher: str | None = None,
         timeout: float | None = 300.0,
         start_timeout: float = 120.0,
         check_collectives: bool = False,
+        hosts: str | Iterable[str] | None = None,
+        hostfile: str | os.PathLike[str] | None = None,
+        controller_ip: str | None = None,
+        ssh_cmd: list[str] | None = None,
+        scp_cmd: list[str] | None = None,
+        python: str | None = None,
+        assume_remote: bool = False,
     ):
-        _check_n(n)
-        self.n = int(n)
+        if n is not None:
+            _check_n(n)
+        self.hosts = list(hosts) if hosts is not None and not isinstance(hosts, str) else hosts
+        self.hostfile = hostfile
+        self.placement = _hosts.resolve(hosts=self.hosts, hostfile=hostfile, n=n)
+        self.n = int(self.placement.n if self.placement else (2 if n is None else n))
+        _check_n(self.n)
         self.backend = backend
-        self.launcher = launcher or ("mpi" if backend == "mpi" else "local")
+        self.launcher = launcher or (
+            "mpi" if backend == "mpi" else ("ssh" if self.placement is not None else "local")
+        )
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.check_collectives = check_collectives
+        self.controller_ip_requested = controller_ip
+        self.controller_ip = launch.LOOPBACK
+        self.ssh_cmd = list(ssh_cmd) if ssh_cmd else None
+        self.scp_cmd = list(scp_cmd) if scp_cmd else None
+        self.python = python
+        self.assume_remote = assume_remote
         self.policy = Policy()
         self.state = STOPPED
         self.broken_reason = ""
         self.session_id = ""
         self.directory: Path | None = None
         self.ranks: dict[int, RankInfo] = {}
+        self.places: dict[int, RankPlace] = {}
         self.cluster: Any = None
         self.client: Any = None
         self._started_at = 0.0
@@ -125,9 +192,12 @@ class Session:
         say = progress or (lambda msg: None)
         if self.state in (READY, BROKEN):
             return self
-        launch.check_backend(self.backend, self.launcher)
+        if self.placement is not None and self.placement.n != self.n:
+            # ``n`` changed since (``%mlxdist restart -n``): place the new count
+            self.placement = _hosts.resolve(hosts=self.hosts, hostfile=self.hostfile, n=self.n)
+        launch.check_backend(self.backend, self.launcher, self.placement)
         cores = os.cpu_count() or 1
-        if self.n > cores:
+        if self.placement is None and self.n > cores:
             warnings.warn(
                 f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
                 "and compute will be slow (fine for learning, not for timing)",
@@ -150,13 +220,46 @@ class Session:
         self.session_id = launch.new_session_id()
         self.directory = launch.session_dir(self.session_id)
         self.broken_reason = ""
-        say(f"session {self.session_id}: starting controller")
+        self.places = {}
+        p = self.placement
+        self.controller_ip = (
+            launch.LOOPBACK
+            if p is None
+            else _hosts.controller_address(p, self.controller_ip_requested)
+        )
+        where = "" if p is None else f" on {self.controller_ip} for {p.source}"
+        say(f"session {self.session_id}: starting controller{where}")
         self.cluster = launch.make_cluster(
-            n=self.n, launcher=self.launcher, session_id=self.session_id, directory=self.directory
+            n=self.n,
+            launcher=self.launcher,
+            session_id=self.session_id,
+            directory=self.directory,
+            placement=p,
+            controller_ip=self.controller_ip,
+            ssh_cmd=self.ssh_cmd,
+            scp_cmd=self.scp_cmd,
+            python=self.python,
         )
         self.cluster.start_controller_sync()
-        say(f"starting {self.n} engines ({self.launcher} launcher)")
-        self.cluster.start_engines_sync(self.n, environment=launch.engine_env(self.launcher))
+        on = "" if p is None else f" on {p.summary()}"
+        say(f"starting {self.n} engines{on} ({self.launcher} launcher)")
+        try:
+            self.cluster.start_engines_sync(self.n, environment=launch.engine_env(self.launcher, p))
+        except Exception as e:
+            if p is None:
+                raise
+            failed = [h for h, lnch in self._ssh_launchers() if lnch.state == "before"]
+            for es in self.cluster.engines.values():  # never started: nothing to stop
+                for ident, lnch in list(getattr(es, "launchers", {}).items()):
+                    if getattr(lnch, "state", "") == "before":
+                        es.launchers.pop(ident, None)
+            where = f" on host {', '.join(failed)}" if failed else f" on {p.summary()}"
+            raise StartError(
+                f"could not start the engines{where} ({self.launcher} launcher): "
+                f"{_short_error(e)}. Check that `ssh HOST` works without a prompt from "
+                "this machine and that the hosts have this Python environment "
+                f"({self.python or 'the same path as here'})."
+            ) from e
         self._write_record()
         self.client = self.cluster.connect_client_sync()
         self._wait_for_engines(say)
@@ -173,66 +276,263 @@ class Session:
                 say(f"engines registered: {seen}/{self.n}")
             if not self._engines_running():
                 raise StartError(
-                    "the engines exited while starting.\n" + launch.log_tail(self.directory)
+                    f"the engines exited while starting{self._launch_hosts_note()}.\n"
+                    + launch.log_tail(self.directory)
                 )
             if time.monotonic() > t_end:
                 raise StartError(
                     f"only {len(self.client.ids)} of {self.n} engines registered within "
-                    f"{self.start_timeout:g} s.\n" + launch.log_tail(self.directory)
+                    f"{self.start_timeout:g} s{self._launch_hosts_note()}.\n"
+                    + launch.log_tail(self.directory)
                 )
             time.sleep(0.1)
         say(f"engines registered: {self.n}/{self.n}")
+
+    def _launch_hosts_note(self) -> str:
+        """Which hosts engines were started on, and which of them stopped."""
+        if self.placement is None:
+            return ""
+        stopped = sorted(
+            {h for h, lnch in self._ssh_launchers() if getattr(lnch, "state", "") == "after"}
+        )
+        note = f" (engines started on {self.placement.summary()}; controller on "
+        note += f"{self.controller_ip}"
+        if stopped:
+            note += f"; the engine process exited on {', '.join(stopped)}"
+        note += ")"
+        if self.controller_ip != "0.0.0.0":
+            note += (
+                f". Check that every host reaches {self.controller_ip} (or pass "
+                "--controller-ip) and runs the same Python environment"
+            )
+        return note
+
+    def _ssh_launchers(self) -> list[tuple[str, Any]]:
+        """``(host name, launcher)`` of every engine started over ssh."""
+        out = []
+        for es in self.cluster.engines.values() if self.cluster is not None else []:
+            for ident, lnch in list(getattr(es, "launchers", {}).items()):
+                if hasattr(type(lnch), "ssh_sender"):  # the class: the property runs ssh
+                    out.append((str(ident).rsplit("/", 1)[0], lnch))
+        return out
 
     def _engines_running(self) -> bool:
         return all(es.running for es in self.cluster.engines.values())
 
     def _join_group(self) -> None:
         ids = sorted(self.client.ids)[: self.n]
-        token = secrets.randbelow(2**31 - 1)
-        hostfile = None
-        if self.backend == "ring":
-            ports = launch.free_ports(self.n)
-            hostfile = str(launch.write_hostfile(self.directory / "hostfile.json", ports))
+        t_end = time.monotonic() + self.start_timeout
         me = psutil.Process()
-        reap = [self.cluster.controller.process.pid] if self._controller_pid() else []
+        probes = self._probe(ids, me, t_end)
+        order = self._assign(probes)  # rank -> engine id
+        places = {r: self._place(r, probes[eid]) for r, eid in order.items()}
+        local = {
+            r: (
+                not self.assume_remote
+                and probes[eid]["machine"] == _bootstrap.machine_id()
+                and _bootstrap._same_process(probes[eid]["pid"], probes[eid]["started"])
+            )
+            for r, eid in order.items()
+        }
+        hostfile_json = None
+        if self.backend == "ring":
+            endpoints = self._ring_endpoints(order, places, probes, t_end)
+            for r, eps in endpoints.items():
+                places[r].addresses = eps
+            hostfile_json = json.dumps([endpoints[r] for r in range(self.n)])
+            launch.write_ring_hostfile(
+                self.directory / "hostfile.json", [endpoints[r] for r in range(self.n)]
+            )
+        for r in places:
+            places[r].local = local[r]
+            places[r].shared_files = not self.assume_remote and probes[order[r]]["shared_files"]
+        watch = {r: not self.assume_remote and probes[order[r]]["sees_client"] for r in order}
+        # One rank that sees this process ends the controller if the notebook dies.
+        reaper = next((r for r in sorted(order) if watch[r]), None)
+        cpid = self._controller_pid()
+        reap = [cpid, *_children(cpid)] if cpid else []
         base = dict(
             size=self.n,
             backend=self.backend,
-            hostfile=hostfile,
-            token=token,
+            hostfile_json=hostfile_json,
+            token=secrets.randbelow(2**31 - 1),
             session_id=self.session_id,
             session_dir=str(self.directory),
             client_pid=me.pid,
             client_started=me.create_time(),
-            reap_pids=reap,
         )
         ars = {
-            eid: self.client[eid].apply_async(
-                _bootstrap.bootstrap, dict(base, rank=i, engine_id=eid)
+            r: self.client[eid].apply_async(
+                _bootstrap.bootstrap,
+                dict(
+                    base,
+                    rank=r,
+                    engine_id=eid,
+                    host=places[r].host,
+                    shared_files=places[r].shared_files,
+                    watch_client=watch[r],
+                    reap_pids=reap if r == reaper else [],
+                ),
             )
-            for i, eid in enumerate(ids)
+            for r, eid in order.items()
         }
         infos, errors = {}, []
-        t_end = time.monotonic() + self.start_timeout
-        for eid, ar in ars.items():
+        for r, ar in ars.items():
             try:
                 info = ar.get(timeout=max(0.1, t_end - time.monotonic()))
                 infos[info["rank"]] = RankInfo(**info)
             except Exception as e:  # noqa: BLE001 - reported below with the engine id
-                errors.append(f"engine {eid}: {_short_error(e)}")
+                errors.append(f"rank {r} ({self._where(order[r], places[r])}): {_short_error(e)}")
         if errors:
+            hint = ""
+            if self.placement is not None and self.backend == "ring":
+                hint = (
+                    "\nThe ring connects every rank to its neighbours on the addresses in "
+                    f"{self.directory / 'hostfile.json'}: check that the hosts reach each "
+                    'other there (firewalls, the hostfile\'s "ips").'
+                )
             raise StartError(
-                f"the {self.backend} group did not form:\n  " + "\n  ".join(errors)
+                f"the {self.backend} group did not form:\n  " + "\n  ".join(errors) + hint
             )
         if sorted(infos) != list(range(self.n)):
             raise StartError(f"ranks {sorted(infos)} do not cover 0..{self.n - 1}")
         self.ranks = dict(sorted(infos.items()))
+        self.places = dict(sorted(places.items()))
         self._procs = {}
         for r, info in self.ranks.items():
+            if not self.places[r].local:
+                continue
             try:
                 self._procs[r] = psutil.Process(info.pid)
             except psutil.Error as e:
                 raise StartError(f"rank {r} (pid {info.pid}) exited right after joining") from e
+
+    def _where(self, eid: int, place: RankPlace | None = None) -> str:
+        return f"engine {eid}" + (f" on {place.describe()}" if place else "")
+
+    def _probe(self, ids: list[int], me: psutil.Process, t_end: float) -> dict[int, dict]:
+        """Step 1: ask every engine who and where it is."""
+        nonce = secrets.token_hex(16)
+        marker = self.directory / "probe"
+        marker.write_text(nonce)
+        os.chmod(marker, 0o600)
+        cfg = dict(
+            session_dir=str(self.directory),
+            nonce=nonce,
+            client_pid=me.pid,
+            client_started=me.create_time(),
+            controller_ip=(
+                self.controller_ip
+                if self.controller_ip != "0.0.0.0"
+                else self.cluster.controller_location
+            ),
+        )
+        ars = {eid: self.client[eid].apply_async(_bootstrap.probe, cfg) for eid in ids}
+        probes, errors = {}, []
+        for eid, ar in ars.items():
+            try:
+                probes[eid] = ar.get(timeout=max(0.1, t_end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"engine {eid}: {_short_error(e)}")
+        if errors:
+            raise StartError("engines did not answer:\n  " + "\n  ".join(errors))
+        return probes
+
+    def _assign(self, probes: dict[int, dict]) -> dict[int, int]:
+        """Which engine is which rank: placement order for ssh, engine order otherwise."""
+        ids = sorted(probes)
+        if self.launcher != "ssh":
+            return dict(enumerate(ids))
+        p = self.placement
+        pids: dict[str, set[int]] = {}
+        for host, lnch in self._ssh_launchers():
+            if getattr(lnch, "pid", None):
+                pids.setdefault(host, set()).add(int(lnch.pid))
+        on: dict[str, list[int]] = {}
+        for eid in ids:
+            host = _match_host(probes[eid], p.distinct(), pids)
+            if host is None:
+                pr = probes[eid]
+                raise StartError(
+                    f"cannot tell which host engine {eid} runs on (pid {pr['pid']}, "
+                    f"hostname {pr['hostname']}, addresses {', '.join(pr['addresses'])}); "
+                    f"hosts: {p.summary()}"
+                )
+            on.setdefault(host, []).append(eid)
+        order: dict[int, int] = {}
+        for host, count in p.counts().items():
+            got = on.get(host, [])
+            if len(got) != count:
+                raise StartError(
+                    f"host {host}: {count} ranks placed there but {len(got)} engines "
+                    "registered from it"
+                )
+            order.update(zip(p.ranks_on(host), sorted(got), strict=True))
+        return dict(sorted(order.items()))
+
+    def _place(self, rank: int, probe: dict[str, Any]) -> RankPlace:
+        if self.placement is None:
+            return RankPlace(host=probe["hostname"])
+        if self.launcher == "ssh":
+            return RankPlace(host=self.placement.hosts[rank].name)
+        host = _match_host(probe, self.placement.distinct(), {})  # mpirun placed it
+        return RankPlace(host=host or probe["hostname"])
+
+    def _ring_ips(self, rank: int, place: RankPlace, probe: dict[str, Any]) -> list[str]:
+        if self.placement is None:
+            return [launch.LOOPBACK]
+        host = self.placement.hosts[rank]
+        if host.ips:
+            missing = [ip for ip in host.ips if ip not in probe["addresses"]]
+            if missing:
+                raise StartError(
+                    f'host {host.name}: {", ".join(missing)} (its "ips" in '
+                    f"{self.placement.source}) is not an address of that machine; it has "
+                    f"{', '.join(probe['addresses'])}"
+                )
+            return list(host.ips)
+        if not probe["route"] or probe["route"].startswith("127."):
+            raise StartError(
+                f"host {host.name}: cannot tell which of its addresses "
+                f"({', '.join(probe['addresses'])}) the other hosts reach; give its "
+                'address in a hostfile ("ips")'
+            )
+        return [probe["route"]]
+
+    def _ring_endpoints(
+        self,
+        order: dict[int, int],
+        places: dict[int, RankPlace],
+        probes: dict[int, dict],
+        t_end: float,
+    ) -> dict[int, list[str]]:
+        """Step 2: each rank picks free ports on its own host's ring addresses."""
+        ips = {r: self._ring_ips(r, places[r], probes[order[r]]) for r in order}
+        endpoints: dict[int, list[str]] = {}
+        todo = list(order)
+        for _ in range(4):
+            ars = {
+                r: self.client[order[r]].apply_async(_bootstrap.free_ports, ips[r]) for r in todo
+            }
+            for r, ar in ars.items():
+                try:
+                    ports = ar.get(timeout=max(0.1, t_end - time.monotonic()))
+                except Exception as e:  # noqa: BLE001
+                    raise StartError(
+                        f"rank {r} ({self._where(order[r], places[r])}): {_short_error(e)}"
+                    ) from None
+                endpoints[r] = [f"{ip}:{port}" for ip, port in zip(ips[r], ports, strict=True)]
+            # two ranks on one host may draw the same free port: draw again for those
+            seen: dict[str, int] = {}
+            todo = []
+            for r in sorted(endpoints):
+                for ep in endpoints[r]:
+                    if ep in seen and r not in todo:
+                        todo.append(r)
+                    seen.setdefault(ep, r)
+            if not todo:
+                return endpoints
+        raise StartError("could not find distinct free ports for the ring endpoints")
 
     def stop(self) -> None:
         """Stop the engines and controller; leaves no process or port behind."""
@@ -255,6 +555,10 @@ class Session:
                 pass
         if self.cluster is not None:
             pids = self._recorded_pids()
+            if self.state == BROKEN and self.ranks:
+                # ranks stuck in a collective ignore SIGTERM: spare the launchers'
+                # grace period (5 s per engine over ssh) and end them now
+                self.kill_ranks(list(self.ranks), signal.SIGKILL)
             try:
                 self.cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - fall through to ending the PIDs
@@ -262,9 +566,16 @@ class Session:
             _end_pids(pids)
         if self.directory is not None:
             self._write_record(stopped=True)
+        if self.session_id:
+            transfer.discard(self.shm_prefix)  # slices that never reached the notebook
         self.client = None
         self.cluster = None
         self._procs = {}
+
+    @property
+    def shm_prefix(self) -> str:
+        """Prefix of this session's shared-memory transfer files (see engine.transfer)."""
+        return f"mlxnb-{self.session_id}"
 
     def __enter__(self) -> Session:
         return self.start()
@@ -282,7 +593,7 @@ class Session:
         if self.cluster is not None:
             cpid = self._controller_pid()
             if cpid:
-                pids.append(cpid)
+                pids += [cpid, *_children(cpid)]  # the controller forks its schedulers
             for es in self.cluster.engines.values():
                 for lnch in getattr(es, "launchers", {}).values():
                     p = getattr(getattr(lnch, "process", None), "pid", None)
@@ -309,6 +620,13 @@ class Session:
             "launcher": self.launcher,
             "state": STOPPED if stopped else self.state,
             "pids": [] if stopped else self._recorded_pids(),
+            "controller_ip": self.controller_ip,
+            # ranks on other machines: cleanup cannot end them by PID from here
+            "remote": {
+                r: [p.host, self.ranks[r].pid]
+                for r, p in self.places.items()
+                if not p.local and r in self.ranks
+            },
         }
         path = self.directory / "session.json"
         path.write_text(json.dumps(rec))
@@ -319,36 +637,79 @@ class Session:
         return self.ranks[rank].pid
 
     def rank_alive(self, rank: int) -> bool:
+        """A local rank: its process runs. A remote one: its engine is still registered
+        with the controller (ipyparallel drops an engine whose heartbeat stops)."""
         p = self._procs.get(rank)
+        if p is not None:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+        place = self.places.get(rank)
+        if place is None or place.local or self.client is None or rank not in self.ranks:
+            return False
         try:
-            return p is not None and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
+            return self.ranks[rank].engine_id in self.client.ids
+        except Exception:  # noqa: BLE001 - a closed client: nothing is alive
             return False
 
     def rank_record(self, rank: int) -> dict[str, Any]:
+        place = self.places.get(rank)
+        if place is not None and not place.shared_files:
+            return {}  # its status file is on its own host: not readable from here
         try:
             return json.loads((self.directory / f"rank{rank}.json").read_text())
         except (OSError, ValueError):
             return {}
 
     def kill_ranks(self, ranks: list[int], sig: int) -> None:
+        """Signal ranks: by PID when local, through the launcher's ssh (or mpirun) when
+        not; remote signals are sent in the background and waited for at most 5 s."""
+        remote = []
         for r in ranks:
             p = self._procs.get(r)
             if p is None:
+                if r in self.ranks:
+                    remote.append(r)
                 continue
             try:
                 p.send_signal(sig)
             except psutil.Error:
                 pass
+        if remote:
+            self._signal_remote(remote, sig)
+
+    def _signal_remote(self, ranks: list[int], sig: int, wait: float = 5.0) -> None:
+        jobs: list[Callable[[], None]] = []
+        if self.launcher == "ssh":
+            by_host = {h: lnch for h, lnch in self._ssh_launchers()}
+            for r in ranks:
+                lnch = by_host.get(self.places[r].host)
+                if lnch is not None:
+                    jobs.append(_remote_kill(lnch, self.ranks[r].pid, sig))
+        elif self.launcher == "mpi" and sig == signal.SIGKILL and self.cluster is not None:
+            # mpirun cannot signal one remote rank; ending it ends the job (the group
+            # is broken by ending any rank anyway)
+            for es in self.cluster.engines.values():
+                jobs.append(lambda es=es: es.signal(signal.SIGKILL))
+        threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+        for t in threads:
+            t.start()
+        t_end = time.monotonic() + wait
+        for t in threads:
+            t.join(max(0.0, t_end - time.monotonic()))
 
     def drain_ranks(
         self, ranks: list[int], records: list[dict[str, Any]], timeout: float
     ) -> dict[int, list[str]]:
-        ars = {
-            r: self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records)
-            for r in ranks
-        }
+        ars = {}
         done: dict[int, list[str]] = {}
+        for r in ranks:
+            try:
+                ars[r] = self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records)
+            except Exception as e:  # noqa: BLE001 - e.g. its engine was unregistered
+                self.last_drain_error = f"rank {r}: {_short_error(e)}"
+                done[r] = []
         t_end = time.monotonic() + timeout
         for r, ar in ars.items():
             try:
@@ -436,7 +797,7 @@ class Session:
         outcome = self._supervise(futures, timeout, on_tick)
         result = self._collect(futures, outcome, time.monotonic() - t0)
         self._forget(ar)
-        _raise_for(result, outcome, timeout)
+        _raise_for(result, outcome, timeout, self._host_notes(result, outcome))
         return result
 
     def apply(
@@ -463,10 +824,61 @@ class Session:
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout)
         result = self._collect(futures, outcome, time.monotonic() - t0)
-        values = {r: f.result() for r, f in futures.items() if r not in outcome.failures}
+        values = {
+            r: f.result()
+            for r, f in futures.items()
+            if r not in outcome.failures and not _failed(f)
+        }
         self._forget(ar)
-        _raise_for(result, outcome, timeout)
+        _raise_for(result, outcome, timeout, self._host_notes(result, outcome))
         return values
+
+    def _host_notes(self, result: CellResult, outcome: Outcome) -> str:
+        """For a multi-host session: which host each failed rank is on, which hosts
+        lost contact with the controller, and which do not answer on the network."""
+        if self.placement is None or result.ok:
+            return ""
+        failed = sorted(f.rank for f in result.failures if f.rank in self.places)
+        if not failed:
+            return ""
+        try:
+            registered = set(self.client.ids)
+        except Exception:  # noqa: BLE001
+            registered = set()
+        lines = []
+        # engines the controller dropped, except those the supervisor ended itself
+        lost = [
+            r
+            for r in failed
+            if self.ranks[r].engine_id not in registered
+            and getattr(outcome.failures.get(r), "cause", DIED) == DIED
+        ]
+        for r in lost:
+            place = self.places[r]
+            running = r in self._procs and self.rank_alive(r)
+            alive = " (its process is still running)" if running else ""
+            lines.append(
+                f"rank {r} on host {place.describe()}: the controller lost contact with its "
+                f"engine (no heartbeat){alive}; host {place.host} or its network link is down."
+            )
+            fail = result.ranks[r].failure
+            if fail is not None and fail.ename == "EngineError":
+                fail.evalue = f"lost contact with host {place.host}: {fail.evalue}"
+        trouble = outcome.timed_out or outcome.broken or outcome.interrupted or lost
+        if trouble and self.backend == "ring":
+            silent = _unanswering({r: self.places[r].addresses for r in failed})
+            for host in sorted({self.places[r].host for r in silent}):
+                ranks = [r for r in silent if self.places[r].host == host]
+                eps = sorted({a for r in ranks for a in self.places[r].addresses})
+                lines.append(
+                    f"host {host} (ranks {ranks}) does not answer at {', '.join(eps)} from "
+                    "this machine: it is down or cut off the network."
+                )
+        lines.append(
+            "Failed ranks run on: "
+            + "; ".join(f"rank {r} on {self.places[r].describe()}" for r in failed)
+        )
+        return "\n".join(lines)
 
     def _forget(self, *ars: Any) -> None:
         """Drop finished messages from the client's caches (they grow without bound)."""
@@ -522,6 +934,8 @@ class Session:
                 st.state = "dead"
             elif self.state == BROKEN and st.state != "dead":
                 st.state = "broken"
+            elif r in self.places and not self.places[r].shared_files and not d:
+                st.state = "unknown"  # its status file is on its own host
             out[r] = st
         return out
 
@@ -600,10 +1014,14 @@ def _trim_internal(lines: list[str]) -> list[str]:
     return out[:-1] if out else lines
 
 
-def _raise_for(result: CellResult, outcome: Outcome, timeout: float | None) -> None:
+def _raise_for(
+    result: CellResult, outcome: Outcome, timeout: float | None, notes: str = ""
+) -> None:
     if result.ok:
         return
     summary = outcome.summary
+    if notes:
+        summary = (summary + "\n" if summary else "") + notes
     if outcome.broken:
         summary = (summary + "\n" if summary else "") + (
             f"The MLX group is broken ({outcome.broken}); run %mlxdist restart."
@@ -619,6 +1037,69 @@ def _raise_for(result: CellResult, outcome: Outcome, timeout: float | None) -> N
     raise CellError(result, summary.strip())
 
 
+def _failed(fut: Any) -> bool:
+    try:
+        return fut.exception() is not None or isinstance(fut.result(), BaseException)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _match_host(
+    probe: dict[str, Any], hosts: list[_hosts.Host], pids: dict[str, set[int]]
+) -> str | None:
+    """The host an engine runs on: by the PID its launcher reported, then by its
+    addresses, then by its hostname; ``None`` when that is ambiguous."""
+    cands = [h for h in hosts if probe["pid"] in pids.get(h.name, ())]
+    if len(cands) == 1:
+        return cands[0].name
+    cands = cands or hosts
+    by_ip = [h for h in cands if h.ips and set(h.ips) <= set(probe["addresses"])]
+    if len(by_ip) == 1:
+        return by_ip[0].name
+    by_ip = [h for h in cands if h.hostname in probe["addresses"]]
+    if len(by_ip) == 1:
+        return by_ip[0].name
+    short = probe["hostname"].split(".")[0]
+    by_name = [h for h in cands if h.hostname.split(".")[0] == short]
+    if len(by_name) == 1:
+        return by_name[0].name
+    return None
+
+
+def _remote_kill(launcher: Any, pid: int, sig: int) -> Callable[[], None]:
+    def job() -> None:
+        try:
+            launcher.ssh_sender.cmd_kill(pid, int(sig))
+        except Exception:  # noqa: BLE001 - gone already, or the host is unreachable
+            pass
+
+    return job
+
+
+def _unanswering(endpoints: dict[int, list[str]], timeout: float = 1.0) -> list[int]:
+    """Ranks none of whose ``ip:port`` endpoints answers a TCP connect within
+    ``timeout`` (a refused connection is an answer: the host is there)."""
+    results: dict[str, bool] = {}
+
+    def knock(ep: str) -> None:
+        ip, port = ep.rsplit(":", 1)
+        try:
+            socket.create_connection((ip, int(port)), timeout=timeout).close()
+            results[ep] = True
+        except ConnectionRefusedError:
+            results[ep] = True
+        except OSError:
+            results[ep] = False
+
+    eps = sorted({e for lst in endpoints.values() for e in lst})
+    threads = [threading.Thread(target=knock, args=(e,), daemon=True) for e in eps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 1.0)
+    return [r for r, lst in endpoints.items() if lst and not any(results.get(e) for e in lst)]
+
+
 def _short_error(e: BaseException) -> str:
     ename = getattr(e, "ename", None)
     if ename:
@@ -631,6 +1112,13 @@ def _check_n(n: Any) -> None:
         raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
     if n > 64:
         raise SetupError(f"-n {n} is more ranks than one machine can sensibly run (max 64)")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:

@@ -94,10 +94,23 @@ def fresh2() -> Iterator[Session]:
     s.stop()
 
 
+def _ours_anywhere() -> dict[int, psutil.Process]:
+    """Every ipyparallel/MPI process on the machine (orphans are re-parented to init,
+    so looking only at pytest's descendants would miss them)."""
+    out = {}
+    for p in psutil.process_iter():
+        if _is_ours(p):
+            out[p.pid] = p
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_leftovers() -> Iterator[None]:
+    before = set(_ours_anywhere())
     yield
-    left = [p for p in descendants() if _is_ours(p)]
+    time.sleep(1.0)  # nannies linger a moment after a clean stop
+    left = [p for pid, p in _ours_anywhere().items() if pid not in before]
+    left = [p for p in left if wait_gone([p.pid], timeout=8.0)]
     for p in left:
         try:
             p.kill()

@@ -1,11 +1,20 @@
 """Join the MLX group on an engine and prepare its namespace.
 
-The session calls :func:`bootstrap` on every engine at once (the ring backend needs
-all ranks to initialise together). It initialises MLX with ``strict=True`` (a
-non-strict init silently gives a group of one), checks the group's size and this
-rank, checks that every member of the ring belongs to this session (a stale
-process from an earlier session on a reused port could otherwise join it), and
-defines ``mx``, ``nn``, ``world``, ``rank`` and ``size`` for the user's cells.
+Starting a group takes three calls from the session, each on every engine:
+
+1. :func:`probe`: who and where this engine is (PID, machine, addresses, whether it
+   sees the notebook's process and the session directory). This is how the session
+   knows which host an engine runs on and whether it can watch it locally.
+2. :func:`free_ports`: a free port on each of this host's ring addresses, so the
+   session can write MLX's ring hostfile with addresses and ports that are valid on
+   *that* host (a remote host does not share the notebook's ports or disk).
+3. :func:`bootstrap`, on every engine at once (the ring backend needs all ranks to
+   initialise together), with the hostfile's *content*: it initialises MLX with
+   ``strict=True`` (a non-strict init silently gives a group of one), checks the
+   group's size and this rank, checks that every member of the ring belongs to
+   this session (a stale process from an earlier session on a reused port could
+   otherwise join it), and defines ``mx``, ``nn``, ``world``, ``rank`` and ``size``
+   for the user's cells.
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .monitor import Monitor
@@ -46,14 +57,118 @@ def current() -> EngineState:
     return _STATE
 
 
+def probe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Say who and where this engine is (step 1 of a start).
+
+    Args:
+        cfg: ``session_dir`` and ``nonce`` (the session wrote the nonce to
+            ``session_dir/probe``: reading it back proves a shared disk),
+            ``client_pid`` and ``client_started`` (seeing that process proves a
+            shared machine and PID space), ``controller_ip`` (to find the address
+            this host reaches the controller from).
+
+    Returns:
+        ``pid``, ``started``, ``hostname``, ``machine``, ``addresses`` (IPv4),
+        ``route`` (address towards the controller), ``shared_files``, ``sees_client``.
+    """
+    import psutil
+
+    me = psutil.Process()
+    addresses = sorted(
+        {
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET
+        }
+    )
+    route = ""
+    if cfg.get("controller_ip"):
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.connect((cfg["controller_ip"], 9))  # UDP connect: no packet is sent
+                route = s.getsockname()[0]
+            finally:
+                s.close()
+        except OSError:
+            route = ""
+    try:
+        shared = (Path(cfg["session_dir"]) / "probe").read_text() == cfg["nonce"]
+    except (OSError, KeyError):
+        shared = False
+    return {
+        "pid": os.getpid(),
+        "started": me.create_time(),
+        "hostname": socket.gethostname(),
+        "machine": machine_id(),
+        "addresses": addresses,
+        "route": route,
+        "shared_files": shared,
+        "sees_client": _same_process(int(cfg.get("client_pid", 0)), cfg.get("client_started")),
+    }
+
+
+def machine_id() -> str:
+    """Identifies this machine (same kernel, same boot): hostname plus boot id/time."""
+    import psutil
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = f"{psutil.boot_time():.0f}"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _same_process(pid: int, started: Any) -> bool:
+    import psutil
+
+    if pid <= 0 or started is None:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - float(started)) < 1.0
+    except psutil.Error:
+        return False
+
+
+def free_ports(ips: list[str]) -> list[int]:
+    """A port nothing listens on right now, on each of ``ips`` (step 2 of a start).
+
+    Raises:
+        OSError: an address is not one of this host's (the message names it).
+    """
+    socks, ports = [], []
+    try:
+        for ip in ips:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            try:
+                s.bind((ip, 0))
+            except OSError as e:
+                raise OSError(
+                    f"cannot listen on {ip} on host {socket.gethostname()}: {e.strerror or e}"
+                ) from None
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
 def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     """Initialise the MLX group on this engine; returns a :class:`RankInfo` as a dict.
 
     Args:
         cfg: ``rank`` (ring only), ``size``, ``backend`` (``ring`` or ``mpi``),
-            ``hostfile`` (ring), ``token`` (an int shared by this session's ranks),
-            ``session_id``, ``session_dir``, ``client_pid``, ``client_started``,
-            ``reap_pids`` (PIDs rank 0 ends if the client dies), ``engine_id``.
+            ``hostfile_json`` (ring: the hostfile's content; it is written to a
+            private file on this host) or ``hostfile`` (a path readable here),
+            ``token`` (an int shared by this session's ranks), ``session_id``,
+            ``session_dir``, ``client_pid``, ``client_started``, ``reap_pids``
+            (PIDs rank 0 ends if the client dies), ``engine_id``, ``host`` (the
+            name this rank was launched on), ``shared_files`` (publish the status
+            file in ``session_dir``; else in a private folder on this host),
+            ``watch_client`` (end this engine when the client's process is gone;
+            only possible when this host sees that process).
     """
     global _STATE
     import mlx.core as mx
@@ -71,10 +186,21 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         # A group of one needs no backend (a ring of one cannot connect to itself):
         # MLX's singleton group makes every collective the identity.
         world = mx.distributed.init(strict=False)
-    else:
-        if backend == "ring":
-            os.environ["MLX_RANK"] = str(cfg["rank"])
+    elif backend == "ring":
+        os.environ["MLX_RANK"] = str(cfg["rank"])
+        if cfg.get("hostfile_json"):
+            fd, path = tempfile.mkstemp(prefix="mlx_nbdist-ring-", suffix=".json")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(cfg["hostfile_json"])
+                os.environ["MLX_HOSTFILE"] = path
+                world = mx.distributed.init(backend=backend, strict=True)
+            finally:
+                os.unlink(path)  # MLX reads it during init
+        else:
             os.environ["MLX_HOSTFILE"] = cfg["hostfile"]
+            world = mx.distributed.init(backend=backend, strict=True)
+    else:
         world = mx.distributed.init(backend=backend, strict=True)
     rank = world.rank()
     if world.size() != size:
@@ -87,9 +213,16 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     tracker = Tracker(world, rank, size)
     tracker.install()
     device = str(mx.default_device())
-    monitor = Monitor(
+    shared = bool(cfg.get("shared_files", True))
+    status_dir = (
+        cfg["session_dir"]
+        if shared
+        else tempfile.mkdtemp(prefix=f"mlx_nbdist-{cfg['session_id']}-rank{rank}-")
+    )
+    monitor_cls = Monitor if cfg.get("watch_client", True) else _UnwatchedMonitor
+    monitor = monitor_cls(
         tracker,
-        cfg["session_dir"],
+        status_dir,
         client_pid=int(cfg["client_pid"]),
         client_started=float(cfg["client_started"]),
         reap_pids=list(cfg.get("reap_pids", [])) if rank == 0 else [],
@@ -102,11 +235,23 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         "rank": rank,
         "engine_id": int(cfg["engine_id"]),
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "host": cfg.get("host") or socket.gethostname(),
         "device": device,
         "size": world.size(),
         "backend": backend,
     }
+
+
+class _UnwatchedMonitor(Monitor):
+    """A monitor on a host that cannot see the notebook's process.
+
+    Liveness of the client cannot be checked from here; the engine relies on
+    ipyparallel's heartbeat with the controller instead (an idle engine stops
+    after missing its heartbeats).
+    """
+
+    def _client_alive(self) -> bool:
+        return True
 
 
 def _check_membership(mx: Any, world: Any, token: int, session_id: str) -> None:

@@ -3,8 +3,10 @@
 Every ``interval`` seconds it writes ``rank<r>.json`` in the session directory
 (atomically, by rename) with the rank's state: idle or busy, the running cell and
 since when, MLX memory, RSS and CPU, collectives issued and bytes moved, progress
-bars. The notebook reads these files even while the engine is busy running a cell,
-which is how it knows what a stuck rank is waiting in.
+bars and streamed scalars (:mod:`mlx_nbdist.engine.progress`), and the parameters of
+a watched model (:meth:`Monitor.watch_model`). The notebook reads these files even
+while the engine is busy running a cell, which is how it knows what a stuck rank is
+waiting in, and how its dashboard and progress bars update live.
 
 It also ends the engine (and, on rank 0, the controller) when the notebook's
 process has gone away, so a crashed or killed kernel leaves nothing running.
@@ -12,6 +14,7 @@ process has gone away, so a crashed or killed kernel leaves nothing running.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -24,6 +27,15 @@ import mlx.core as mx
 import psutil
 
 from .tracker import Tracker
+
+#: progress bars kept in the published state (the oldest finished ones are dropped)
+MAX_BARS = 8
+#: points kept per scalar; past this the history is thinned to every other point
+MAX_POINTS = 256
+#: parameters listed for a watched model (the totals cover all of them)
+MAX_PARAMS = 48
+#: how often a watched model's parameters are re-read, in seconds
+MODEL_INTERVAL = 1.0
 
 
 class Monitor:
@@ -56,12 +68,17 @@ class Monitor:
             "last_status": None,
             "device": device,
             "progress": {},
+            "scalars": {},
+            "model": None,
         }
+        self._watch: str | None = None
+        self._model_at = 0.0
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
         self._stop = False
         self._wake = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state, changed by the cell's thread
+        self._write_lock = threading.Lock()  # the file
         self._thread = threading.Thread(target=self._loop, name="mlx_nbdist-monitor", daemon=True)
 
     def start(self) -> None:
@@ -74,25 +91,72 @@ class Monitor:
 
     # -- called from the cell hooks on the engine's main thread -------------------
     def cell_started(self, cell: int) -> None:
-        self.state.update(state="busy", cell=cell, cell_started=time.time())
+        with self._lock:
+            self.state.update(state="busy", cell=cell, cell_started=time.time())
         self._wake.set()  # the thread publishes at once; the cell does not wait for it
 
     def cell_finished(self, status: str) -> None:
-        started = self.state.get("cell_started") or time.time()
-        self.state.update(
-            state="idle" if status == "ok" else "error",
-            last_duration=time.time() - started,
-            last_status=status,
-            cell_started=None,
-        )
+        with self._lock:
+            started = self.state.get("cell_started") or time.time()
+            self.state.update(
+                state="idle" if status == "ok" else "error",
+                last_duration=time.time() - started,
+                last_status=status,
+                cell_started=None,
+            )
         self._wake.set()
 
     def set_progress(self, key: str, value: dict[str, Any]) -> None:
-        self.state["progress"][key] = value
+        """Publish a progress bar (``n``, ``total``, ``desc``, ``rate``, ``cell``...)."""
+        with self._lock:
+            bars = self.state["progress"]
+            bars[key] = value
+            while len(bars) > MAX_BARS:
+                done = [k for k, v in bars.items() if v.get("done")]
+                del bars[(done or list(bars))[0]]
+
+    def add_scalars(self, values: dict[str, float], step: int | None = None) -> None:
+        """Append one point per name to the streamed scalars (``[step, value, cell]``)."""
+        with self._lock:
+            series = self.state["scalars"]
+            cell = self.state.get("cell", 0)
+            for name, value in values.items():
+                points = series.setdefault(str(name), [])
+                x = step if step is not None else (points[-1][0] + 1 if points else 0)
+                points.append([x, float(value), cell])
+                if len(points) > MAX_POINTS:
+                    del points[::2]
+
+    def clear_scalars(self) -> None:
+        with self._lock:
+            self.state["scalars"] = {}
+
+    def watch_model(self, name: str | None) -> None:
+        """Publish the parameters (path, local shape, dtype, layer) of ``name``."""
+        self._watch = name or None
+        self._model_at = 0.0
+        if self._watch is None:
+            with self._lock:
+                self.state["model"] = None
+        self._wake.set()
+
+    def _refresh_model(self) -> None:
+        if self._watch is None or time.monotonic() - self._model_at < MODEL_INTERVAL:
+            return
+        self._model_at = time.monotonic()
+        try:
+            summary = model_summary(self._watch)
+        except Exception as e:  # noqa: BLE001 - a model being rebuilt can fail to walk
+            summary = {"name": self._watch, "error": f"{type(e).__name__}: {e}"}
+        with self._lock:
+            self.state["model"] = summary
 
     # -- the thread -----------------------------------------------------------------
     def publish(self) -> None:
-        snap = dict(self.state, **self.tracker.snapshot())
+        self._refresh_model()
+        with self._lock:
+            state = copy.deepcopy(self.state)
+        snap = dict(state, **self.tracker.snapshot())
         try:
             mem = self._proc.memory_info().rss
             cpu = self._proc.cpu_percent(None)
@@ -105,7 +169,7 @@ class Monitor:
             cpu_percent=float(cpu),
             updated=time.time(),
         )
-        with self._lock:
+        with self._write_lock:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(snap, default=str))
             os.replace(tmp, self.path)
@@ -124,7 +188,12 @@ class Monitor:
     def _client_alive(self) -> bool:
         try:
             p = psutil.Process(self.client_pid)
-            return abs(p.create_time() - self.client_started) < 1.0 and p.is_running()
+            return (
+                abs(p.create_time() - self.client_started) < 1.0
+                and p.is_running()
+                # a killed client whose parent has not reaped it yet is gone too
+                and p.status() != psutil.STATUS_ZOMBIE
+            )
         except psutil.Error:
             return False
 
@@ -135,3 +204,56 @@ class Monitor:
             except OSError:
                 pass
         os._exit(0)
+
+
+def model_summary(name: str) -> dict[str, Any]:
+    """Parameters of the model ``name`` in this rank's namespace, as plain data.
+
+    Reads shapes and dtypes only (no evaluation), so it is safe from the monitor's
+    thread while a cell runs. ``layer`` is the class of the module owning each
+    parameter: ``AllToShardedLinear`` / ``ShardedToAllLinear`` mark sharded layers.
+    """
+    import mlx.nn as nn
+    from IPython import get_ipython
+    from mlx.utils import tree_flatten
+
+    ip = get_ipython()
+    ns = ip.user_ns if ip is not None else {}
+    if name not in ns:
+        return {"name": name, "error": f"{name!r} is not defined on this rank"}
+    model = ns[name]
+    if not isinstance(model, nn.Module):
+        return {"name": name, "error": f"{name!r} is a {type(model).__name__}, not an nn.Module"}
+    layers = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+    flat = tree_flatten(model.parameters())
+    params, total, nbytes = [], 0, 0
+    for path, arr in flat:
+        owner = path.rsplit(".", 1)[0] if "." in path else ""
+        size = int(arr.size)
+        total += size
+        nbytes += int(arr.nbytes)
+        if len(params) < MAX_PARAMS:
+            params.append(
+                {
+                    "path": path,
+                    "shape": list(arr.shape),
+                    "dtype": str(arr.dtype).replace("mlx.core.", ""),
+                    "layer": type(layers.get(owner, model)).__name__,
+                }
+            )
+    return {
+        "name": name,
+        "type": type(model).__name__,
+        "params": params,
+        "count": len(flat),
+        "elements": total,
+        "nbytes": nbytes,
+    }
+
+
+def watch_model(name: str | None) -> str | None:
+    """On a rank: publish the parameters of the model ``name`` (``None`` stops it)."""
+    from .bootstrap import current
+
+    current().monitor.watch_model(name)
+    return name

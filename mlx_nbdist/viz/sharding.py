@@ -830,7 +830,7 @@ def _notes(layout: _Layout, heat: _Heat | None) -> tuple[list[str], list[str]]:
         notes.append(f"{layout.full_shape} shown as {layout.view}")
     if any(s.data is None for s in layout.slices):
         notes.append("summary only (values not pulled)")
-    elif any(_is_sampled(s) for s in layout.slices):
+    elif heat is not None and any(_is_sampled(s) for s in layout.slices):
         notes.append(f"values sampled (stride {_sample_stride(layout)} on every axis)")
     if heat is not None and heat.factor != (1, 1):
         notes.append(f"heatmap block-mean {heat.factor[0]}x{heat.factor[1]}")

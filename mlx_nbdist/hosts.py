@@ -1,0 +1,448 @@
+"""Where the ranks run when a session spans several machines.
+
+A :class:`Placement` lists one :class:`Host` per rank, in rank order, exactly as
+MLX's own launcher (``mlx.launch``) reads its hostfile: entry ``i`` of the hostfile's
+``hosts`` is rank ``i``, ``ssh`` is the name ssh (or ``mpirun``) is given, and
+``ips`` are the addresses that rank's MLX ring endpoints listen on. Placements come
+from three sources:
+
+* an MLX hostfile (what ``mlx.distributed_config`` writes), :func:`read_hostfile`;
+* a comma separated list of hosts and a number of ranks, :func:`from_list`;
+* a Slurm allocation (``SLURM_JOB_NODELIST``), :func:`from_slurm`.
+
+The module also answers the network questions of a multi-host start: which address
+of this machine the engines reach (:func:`controller_address`), and the ``mpirun``
+hostfile for the same placement (:meth:`Placement.mpi_hostfile`). Nothing here
+starts a process or opens a connection (the route lookup uses an unconnected UDP
+socket, which sends no packet).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SetupError
+
+#: Names that mean "this machine": a session over them alone needs no ssh.
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine as the launcher sees it.
+
+    Attributes:
+        name: what ssh or ``mpirun`` is given, e.g. ``node1``, ``me@node1`` or an IP.
+        ips: the addresses the MLX ring listens on for ranks on this host (MLX's
+            hostfile ``ips``); empty: the address this host uses to reach the
+            controller, found when the engine starts.
+    """
+
+    name: str
+    ips: tuple[str, ...] = ()
+
+    @property
+    def hostname(self) -> str:
+        """The name without ``user@``."""
+        return self.name.rsplit("@", 1)[-1]
+
+    def describe(self) -> str:
+        """``node1 (10.0.0.2)`` or just ``node1``."""
+        ips = ", ".join(self.ips)
+        return f"{self.name} ({ips})" if ips and ips != (self.name,) else self.name
+
+
+@dataclass
+class Placement:
+    """The host of every rank, in rank order.
+
+    Attributes:
+        hosts: one entry per rank.
+        source: where the placement came from, for messages.
+        backend: the backend a hostfile asks for (``""``: not said).
+        envs: ``NAME=value`` settings a hostfile asks for on every rank.
+    """
+
+    hosts: list[Host]
+    source: str = ""
+    backend: str = ""
+    envs: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.hosts)
+
+    def counts(self) -> dict[str, int]:
+        """Ranks per host name, in order of first appearance."""
+        out: dict[str, int] = {}
+        for h in self.hosts:
+            out[h.name] = out.get(h.name, 0) + 1
+        return out
+
+    def ranks_on(self, name: str) -> list[int]:
+        """The ranks placed on the host called ``name``."""
+        return [r for r, h in enumerate(self.hosts) if h.name == name]
+
+    def distinct(self) -> list[Host]:
+        """Each host once, in order of first appearance."""
+        seen: dict[str, Host] = {}
+        for h in self.hosts:
+            seen.setdefault(h.name, h)
+        return list(seen.values())
+
+    def is_local(self) -> bool:
+        """True when every host is this machine by name (no ssh needed)."""
+        return all(h.hostname in LOCAL_NAMES for h in self.hosts)
+
+    def env(self) -> dict[str, str]:
+        """The hostfile's ``envs`` as a dict."""
+        out = {}
+        for e in self.envs:
+            key, _, value = e.partition("=")
+            if not key or not all(c.isalnum() or c == "_" for c in key):
+                raise SetupError(f"hostfile envs: {e!r} is not NAME=value")
+            out[key] = value
+        return out
+
+    def mpi_hostfile(self) -> str:
+        """An Open MPI hostfile for the same placement: ``name slots=k`` per host."""
+        return "".join(f"{name} slots={k}\n" for name, k in self.counts().items())
+
+    def mpi_hosts(self) -> str:
+        """The same as ``mpirun --host`` wants it: ``a:2,b:2``."""
+        return ",".join(f"{name}:{k}" for name, k in self.counts().items())
+
+    def summary(self) -> str:
+        """``a x2, b x2`` for progress messages."""
+        return ", ".join(f"{name} x{k}" for name, k in self.counts().items())
+
+
+# -- the three sources ---------------------------------------------------------------
+def read_hostfile(path: str | os.PathLike[str]) -> Placement:
+    """Read MLX's hostfile (a dict with ``hosts``, or a bare list of hosts).
+
+    Each host is ``{"ssh": name, "ips": [addresses...]}``; extra keys (``rdma``) are
+    ignored. Entry ``i`` is rank ``i``, so a machine listed twice runs two ranks.
+
+    Raises:
+        SetupError: the file is missing, is not JSON, or an entry is malformed.
+    """
+    p = Path(path).expanduser()
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise SetupError(f"cannot read hostfile {p}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise SetupError(f"hostfile {p} is not JSON: {e}") from None
+    backend, envs = "", []
+    if isinstance(data, dict):
+        backend = str(data.get("backend") or "")
+        envs = [str(e) for e in data.get("envs") or []]
+        entries = data.get("hosts")
+    else:
+        entries = data
+    if not isinstance(entries, list) or not entries:
+        raise SetupError(
+            f'hostfile {p}: expected {{"hosts": [{{"ssh": "name", "ips": ["10.0.0.2"]}}, ...]}}'
+        )
+    hosts = []
+    for i, h in enumerate(entries):
+        if not isinstance(h, dict) or not isinstance(h.get("ssh"), str) or not h["ssh"]:
+            raise SetupError(f'hostfile {p}: entry {i} needs an "ssh" name, got {h!r}')
+        ips = h.get("ips") or []
+        if not isinstance(ips, list):
+            raise SetupError(f'hostfile {p}: "ips" of entry {i} must be a list')
+        for ip in ips:
+            _check_ip(ip, f"hostfile {p}, entry {i}")
+        hosts.append(Host(h["ssh"], tuple(ips)))
+    return Placement(hosts, source=f"hostfile {p}", backend=backend, envs=envs)
+
+
+def from_list(spec: str | Sequence[str], n: int | None = None) -> Placement:
+    """Spread ``n`` ranks over the hosts of ``spec`` (``"a,b"`` or ``["a", "b"]``).
+
+    The ranks are split as evenly as possible and kept together per host, in the
+    order given (4 ranks on ``a,b``: ``a a b b``; 3 ranks: ``a a b``). ``n`` defaults
+    to one rank per host. A host given as an IP address also gives the ring its
+    address; a name is resolved when its engine starts (the address it uses to
+    reach the controller).
+
+    Raises:
+        SetupError: empty or repeated hosts, or fewer ranks than hosts.
+    """
+    names = [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec)]
+    if not names or any(not x for x in names):
+        raise SetupError(f"--hosts {spec!r}: give host names separated by commas, e.g. a,b")
+    dup = sorted({x for x in names if names.count(x) > 1})
+    if dup:
+        raise SetupError(f"--hosts lists {', '.join(dup)} twice; use -n for more ranks per host")
+    n = len(names) if n is None else int(n)
+    if n < len(names):
+        raise SetupError(f"-n {n} is fewer ranks than the {len(names)} hosts in --hosts")
+    per, extra = divmod(n, len(names))
+    hosts: list[Host] = []
+    for i, name in enumerate(names):
+        host = Host(name, (name.rsplit("@", 1)[-1],) if _is_ip(name.rsplit("@", 1)[-1]) else ())
+        hosts += [host] * (per + (1 if i < extra else 0))
+    return Placement(hosts, source="--hosts " + ",".join(names))
+
+
+def slurm_nodes(
+    env: Mapping[str, str] | None = None,
+    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+) -> list[str]:
+    """The node names of the Slurm allocation this process runs in (``[]``: none).
+
+    Uses ``scontrol show hostnames`` when ``scontrol`` is on PATH (it knows every
+    nodelist syntax), else :func:`expand_nodelist`.
+    """
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    if not nodelist:
+        return []
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol:
+        try:
+            out = run(
+                [scontrol, "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            )
+            names = out.stdout.split()
+            if names:
+                return names
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return expand_nodelist(nodelist)
+
+
+def from_slurm(
+    env: Mapping[str, str] | None = None,
+    n: int | None = None,
+    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+) -> Placement | None:
+    """A placement over the nodes of the current Slurm allocation, or ``None``.
+
+    Without ``n`` the ranks per node follow ``SLURM_TASKS_PER_NODE`` (e.g.
+    ``2(x3),1``), else one per node; with ``n`` they are spread as in :func:`from_list`
+    (over the first ``n`` nodes when there are more nodes than ranks).
+    """
+    env = os.environ if env is None else env
+    nodes = slurm_nodes(env, run)
+    if not nodes:
+        return None
+    if n is None:
+        tasks = expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
+        if len(tasks) == len(nodes):
+            hosts = [Host(name) for name, k in zip(nodes, tasks, strict=True) for _ in range(k)]
+            p = Placement(hosts)
+        else:
+            p = from_list(nodes)
+    else:
+        # fewer ranks than nodes: use the first n nodes of the allocation
+        p = from_list(nodes[:n], n)
+    p.source = f"Slurm job {env.get('SLURM_JOB_ID', '?')} (nodes {','.join(nodes)})"
+    return p
+
+
+def in_slurm_allocation(env: Mapping[str, str] | None = None) -> bool:
+    """True inside a Slurm allocation of more than one node."""
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return bool(nodelist) and len(expand_nodelist(nodelist)) > 1
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed nodelist: ``node[01-03,07],gpu5`` -> 4 names.
+
+    Handles zero padding, several ranges per bracket and several brackets per name
+    (``r[1-2]n[1-2]``), as ``scontrol show hostnames`` does.
+    """
+    out: list[str] = []
+    for part in _split_top(nodelist):
+        if part:
+            out += _expand_one(part)
+    return out
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """``2(x3),1`` -> ``[2, 2, 2, 1]`` (Slurm's SLURM_TASKS_PER_NODE)."""
+    out: list[int] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item)
+        if not m:
+            return []
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for c in text:
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += c
+    parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if not m:
+        return [name]
+    head, tail = name[: m.start()], name[m.end() :]
+    out = []
+    for rng in m.group(1).split(","):
+        lo, _, hi = rng.partition("-")
+        if not hi:
+            values = [lo]
+        else:
+            width = len(lo) if lo.startswith("0") else 0
+            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+        for v in values:
+            out += _expand_one(head + v + tail)
+    return out
+
+
+def resolve(
+    *,
+    hosts: str | Sequence[str] | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
+    n: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Placement | None:
+    """The placement a session asks for, or ``None`` for ranks on this machine only.
+
+    ``hosts="slurm"`` uses the Slurm allocation; ``hosts="local"`` forces a local
+    session; with neither hosts nor a hostfile, a Slurm allocation of more than one
+    node is used when this process runs inside one.
+    """
+    env = os.environ if env is None else env
+    if hostfile is not None and hosts is not None:
+        raise SetupError("give either a hostfile or --hosts, not both")
+    if hostfile is not None:
+        p = read_hostfile(hostfile)
+        if n is not None and n != p.n:
+            raise SetupError(
+                f"-n {n} does not match {p.source}, which places {p.n} ranks "
+                "(one per entry: list a host twice to run two ranks on it)"
+            )
+        return p
+    if isinstance(hosts, str) and hosts.strip().lower() == "local":
+        return None
+    if isinstance(hosts, str) and hosts.strip().lower() == "slurm":
+        p = from_slurm(env, n)
+        if p is None:
+            raise SetupError("--hosts slurm: not inside a Slurm allocation (no SLURM_JOB_NODELIST)")
+        return p
+    if hosts is not None:
+        return from_list(hosts, n)
+    if in_slurm_allocation(env):
+        return from_slurm(env, n)
+    return None
+
+
+# -- addresses -----------------------------------------------------------------------
+def local_addresses() -> list[str]:
+    """The IPv4 addresses of this machine's interfaces."""
+    import psutil
+
+    return sorted(
+        {
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET
+        }
+    )
+
+
+def route_address(ip: str) -> str:
+    """The address of this machine that packets to ``ip`` leave from (no packet sent)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((ip, 9))
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+def host_address(host: Host) -> str:
+    """The first address of ``host``: its ``ips``, else its name resolved here.
+
+    Raises:
+        SetupError: the name does not resolve to an IPv4 address.
+    """
+    if host.ips:
+        return host.ips[0]
+    try:
+        return socket.getaddrinfo(host.hostname, None, socket.AF_INET)[0][4][0]
+    except (OSError, IndexError):
+        raise SetupError(
+            f"cannot resolve host {host.name!r} to an address; give its address in "
+            'the hostfile ("ips") or pass --controller-ip'
+        ) from None
+
+
+def controller_address(placement: Placement, explicit: str | None = None) -> str:
+    """The address the controller listens on so that every host reaches it.
+
+    ``explicit`` must be an address of this machine (or ``0.0.0.0``, all interfaces,
+    only when asked for). Without it, the address of the route towards the first
+    host that is not this machine.
+
+    Raises:
+        SetupError: ``explicit`` is not one of this machine's addresses.
+    """
+    mine = local_addresses()
+    if explicit:
+        if explicit != "0.0.0.0" and explicit not in mine:
+            raise SetupError(
+                f"--controller-ip {explicit} is not an address of this machine "
+                f"(its addresses: {', '.join(mine)})"
+            )
+        return explicit
+    for host in placement.distinct():
+        addr = host_address(host)
+        if addr in mine or ipaddress.ip_address(addr).is_loopback:
+            continue
+        try:
+            return route_address(addr)
+        except OSError as e:
+            raise SetupError(
+                f"no route from this machine to {host.describe()}: {e}; "
+                "pass --controller-ip with the address the hosts reach"
+            ) from None
+    return "127.0.0.1"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_ip(ip: object, where: str) -> None:
+    if not isinstance(ip, str) or not _is_ip(ip):
+        raise SetupError(f"{where}: {ip!r} is not an IP address")
+    if ipaddress.ip_address(ip).version != 4:
+        raise SetupError(f"{where}: {ip} is IPv6; the MLX ring needs IPv4 addresses")

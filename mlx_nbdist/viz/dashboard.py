@@ -1,0 +1,687 @@
+"""A live dashboard of a session: one row per rank, controls, progress, scalars, model.
+
+``%mlxdist dashboard`` (or ``mlx_nbdist.dashboard()``) shows::
+
+    VBox .mlxdist-dashboard
+    ├── HTML .mlxdist-header     session id · backend · launcher · N ranks · uptime · state
+    ├── HBox .mlxdist-controls   [Interrupt] [Restart] [Stop]  HTML .mlxdist-message
+    ├── VBox .mlxdist-ranks      column titles, then one GridBox .mlxdist-rank-row per rank:
+    │                            rank | state | running cell (for how long) | last cell
+    │                            (duration, ok / error type) | MLX device | MLX memory
+    │                            (active / peak) | RSS · CPU | collectives · bytes moved
+    ├── VBox .mlxdist-progress   each rank's bars of its latest cell and the scalar plots
+    │                            (see :mod:`mlx_nbdist.viz.progress`)
+    └── HTML .mlxdist-model      parameters and local shard shapes of a watched model
+
+**Updates.** The ranks publish their state every 0.25 s (``engine/monitor.py``) and a
+daemon thread of the dashboard reads it every ``interval`` seconds (default 0.5);
+widget traits only send a message when a value changed. The thread never touches
+the ipyparallel client, so it never blocks or disturbs a running cell. A rank whose
+process is gone shows ``dead`` at the next poll; one whose monitor stopped
+publishing for ``stale_after`` seconds (process stopped, or stuck holding the GIL)
+shows ``hung``. The thread ends when the dashboard is closed, or a few seconds after
+the session stopped (a restart in between keeps it going).
+
+**Controls while a cell runs (measured with ipykernel 7.4).** A widget click is a
+``comm_msg`` on the kernel's shell channel. Normally it waits in the main shell's
+queue until the running cell ends: a click sent 1 s into a 4 s ``time.sleep`` cell
+was handled 3.0 s later, right after the cell. ipykernel 7.4 routes a comm's
+messages to a *subshell* (its own thread) when the comm is marked for one, and then
+the same click was handled within 0.01 s, during the cell. So the dashboard asks its
+kernel for a subshell (``create_subshell_request`` on the control channel, the
+public JEP 91 message) and routes its buttons' comms there. With that:
+
+* **Interrupt** during a ``%%mlxdist`` cell does what Jupyter's stop button does: the
+  cell's supervisor sends SIGINT to the ranks still running, waits a short grace,
+  then ends those that did not stop (the session is then broken and needs a
+  restart). Between cells it sends SIGINT to ranks that are still busy (after an
+  interrupted or timed-out call) and says when no rank is busy.
+* **Restart** / **Stop** during a cell interrupt it first, then restart / stop the
+  session in the cell's own thread once the cell has ended (the ipyparallel client
+  is not thread-safe, so nothing else touches it while the cell runs).
+
+Where the kernel has no subshells (ipykernel < 7.4, another kernel), the buttons are
+handled only between cells; the dashboard says so, and during a cell Jupyter's own
+stop button (kernel interrupt -> ``KeyboardInterrupt`` -> the same supervisor path)
+is the way to interrupt.
+"""
+
+from __future__ import annotations
+
+import html
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..results import RankState
+from .progress import ProgressPanel, collect, running_cell
+from .sharding import human_bytes
+
+COLUMNS: list[tuple[str, str, str]] = [
+    # key, title, width
+    ("rank", "rank", "56px"),
+    ("state", "state", "84px"),
+    ("cell", "running", "130px"),
+    ("last", "last cell", "210px"),
+    ("device", "device", "120px"),
+    ("memory", "MLX active / peak", "160px"),
+    ("process", "RSS · CPU", "130px"),
+    ("collectives", "collectives · bytes", "160px"),
+]
+STATE_COLORS = {
+    "idle": "#2ca02c",
+    "busy": "#1f77b4",
+    "starting": "#7f7f7f",
+    "stopped": "#7f7f7f",
+    "error": "#d62728",
+    "dead": "#000000",
+    "broken": "#8c564b",
+    "hung": "#ff7f0e",
+}
+_HINT_LIVE = "buttons act while a cell runs"
+_HINT_QUEUED = (
+    "this kernel handles buttons only between cells; "
+    "during a cell use Jupyter's stop button (■) to interrupt"
+)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def rank_values(
+    st: RankState, *, now: float | None = None, stale_after: float = 3.0, session_state: str = ""
+) -> dict[str, str]:
+    """What a rank's row shows, as text per column (see :data:`COLUMNS`)."""
+    now = time.time() if now is None else now
+    state = st.state
+    if session_state in ("stopped", "starting"):
+        state = session_state
+    elif state in ("idle", "busy", "error") and st.updated and now - st.updated > stale_after:
+        state = "hung"
+    cell = "-"
+    if st.state == "busy" and st.cell_started and state not in ("stopped", "starting"):
+        cell = f"cell {st.cell} · {_secs(now - st.cell_started)}"
+    last = "-"
+    if st.last_status:
+        dur = f"{_secs(st.last_duration)} · " if st.last_duration is not None else ""
+        last = f"{dur}{st.last_status}"
+    cpu = f"{st.cpu_percent:.0f}%"
+    return {
+        "rank": str(st.rank),
+        "state": state,
+        "cell": cell,
+        "last": last,
+        "device": st.device or "-",
+        "memory": f"{human_bytes(st.active_memory)} / {human_bytes(st.peak_memory)}",
+        "process": f"{human_bytes(st.rss)} · {cpu}",
+        "collectives": f"{st.collectives} · {human_bytes(st.bytes_moved)}",
+    }
+
+
+def header_values(session: Any) -> dict[str, str]:
+    """The session header: id, backend, launcher, N, uptime, state."""
+    if session is None:
+        return {"session": "-", "state": "no session", "backend": "-", "launcher": "-",
+                "n": "0", "uptime": "-", "broken": ""}  # fmt: skip
+    up = time.time() - session._started_at if session.state != "stopped" else 0.0
+    return {
+        "session": session.session_id or "-",
+        "state": session.state,
+        "backend": session.backend,
+        "launcher": session.launcher,
+        "n": str(session.n),
+        "uptime": _uptime(up) if session._started_at and session.state != "stopped" else "-",
+        "broken": session.broken_reason if session.state == "broken" else "",
+    }
+
+
+def model_values(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A watched model's parameters per rank: ``{name, params: {path: {rank: shape}}}``."""
+    per = {r: rec.get("model") for r, rec in records.items() if rec.get("model")}
+    if not per:
+        return {}
+    name = next(iter(per.values())).get("name", "")
+    params: dict[str, dict[str, Any]] = {}
+    errors = {r: m["error"] for r, m in per.items() if m.get("error")}
+    totals = {r: (m.get("elements", 0), m.get("nbytes", 0), m.get("count", 0))
+              for r, m in per.items() if not m.get("error")}  # fmt: skip
+    for r, m in sorted(per.items()):
+        for p in m.get("params", []):
+            row = params.setdefault(
+                p["path"], {"layer": p.get("layer", ""), "dtype": p.get("dtype", ""), "shapes": {}}
+            )
+            row["shapes"][r] = tuple(p["shape"])
+    return {"name": name, "params": params, "errors": errors, "totals": totals}
+
+
+def model_html(mv: dict[str, Any], n: int) -> str:
+    """The model section: one row per parameter, the local shape on each rank."""
+    if not mv:
+        return ""
+    name = html.escape(mv["name"])
+    if mv["errors"] and not mv["params"]:
+        err = html.escape(next(iter(mv["errors"].values())))
+        return f"<div><b>model {name}</b>: {err}</div>"
+    ranks = list(range(n))
+    head = "".join(f"<th>rank {r}</th>" for r in ranks)
+    rows = []
+    for path, row in mv["params"].items():
+        shapes = [row["shapes"].get(r) for r in ranks]
+        differ = len({s for s in shapes if s is not None}) > 1
+        style = ' style="color:#1f77b4"' if differ or "Sharded" in row["layer"] else ""
+        cells = "".join(f"<td>{_shape(s)}</td>" for s in shapes)
+        rows.append(
+            f"<tr{style}><td>{html.escape(path)}</td><td>{html.escape(row['layer'])}</td>"
+            f"<td>{html.escape(row['dtype'])}</td>{cells}</tr>"
+        )
+    tot = "".join(
+        f"<td>{mv['totals'][r][0]:,} el · {human_bytes(mv['totals'][r][1])}</td>"
+        if r in mv["totals"] else "<td>-</td>"
+        for r in ranks
+    )  # fmt: skip
+    count = max((t[2] for t in mv["totals"].values()), default=0)
+    more = f" (first {len(mv['params'])} of {count})" if count > len(mv["params"]) else ""
+    return (
+        f"<div><b>model {name}</b>{more}: local shapes per rank "
+        "(blue: sharded or different across ranks)</div>"
+        '<table style="font-size:12px; border-collapse:collapse">'
+        f"<tr><th>parameter</th><th>layer</th><th>dtype</th>{head}</tr>"
+        + "".join(rows)
+        + f"<tr><td><b>total</b></td><td></td><td></td>{tot}</tr></table>"
+    )
+
+
+def _shape(s: tuple[int, ...] | None) -> str:
+    return "-" if s is None else "(" + ", ".join(map(str, s)) + ")"
+
+
+def _secs(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t:.2f} s" if t < 10 else f"{t:.0f} s" if t < 120 else _uptime(t)
+
+
+def _uptime(t: float) -> str:
+    t = int(max(0, t))
+    h, rem = divmod(t, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+# --------------------------------------------------------------------------- subshell
+
+_SUBSHELL: dict[int, str | None] = {}
+
+
+def control_subshell(timeout: float = 5.0) -> str | None:
+    """A subshell of this kernel for the dashboard's buttons (created once), or None.
+
+    Sends ``create_subshell_request`` on the kernel's own control channel, as a
+    front end would. ``None`` outside a kernel or where the kernel has no subshells.
+    """
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+    except ImportError:  # pragma: no cover
+        return None
+    if kernel is None or not getattr(kernel, "_supports_kernel_subshells", False):
+        return None
+    if id(kernel) in _SUBSHELL:
+        return _SUBSHELL[id(kernel)]
+    sid = None
+    try:
+        from ipykernel.connect import get_connection_file
+        from jupyter_client import BlockingKernelClient
+
+        kc = BlockingKernelClient(connection_file=get_connection_file())
+        kc.load_connection_file()
+        kc.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        try:
+            msg = kc.session.msg("create_subshell_request", {})
+            kc.control_channel.send(msg)
+            t_end = time.monotonic() + timeout
+            while time.monotonic() < t_end:
+                reply = kc.control_channel.get_msg(timeout=max(0.1, t_end - time.monotonic()))
+                if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                    if reply["content"].get("status") == "ok":
+                        sid = reply["content"]["subshell_id"]
+                    break
+        finally:
+            kc.stop_channels()
+    except Exception:  # noqa: BLE001 - no subshell: the buttons work between cells
+        sid = None
+    _SUBSHELL[id(kernel)] = sid
+    return sid
+
+
+def route_to_subshell(widgets: list[Any], subshell_id: str | None) -> bool:
+    """Have the kernel deliver these widgets' front-end messages to the subshell.
+
+    ipykernel >= 7.4 routes a comm's incoming messages to ``comm._reply_subshell_id``
+    (set when the comm last published from a subshell); setting it here sends the
+    buttons' clicks to the dashboard's subshell thread, which runs while a cell runs.
+    """
+    if subshell_id is None:
+        return False
+    ok = True
+    for wdg in widgets:
+        comm = getattr(wdg, "comm", None)
+        if comm is None or not hasattr(comm, "_reply_subshell_for"):
+            ok = False
+            continue
+        comm._reply_subshell_id = subshell_id
+    return ok
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+class Dashboard:
+    """A live ipywidgets dashboard of a session (see the module docstring).
+
+    Args:
+        session: the session to show; ``None`` follows the current session (the one
+            ``%mlxdist start`` made), including after a stop and a new start.
+        model: name of a model in the ranks' namespace whose parameters and local
+            shard shapes to show (the ranks publish them every second).
+        interval: seconds between two polls of the ranks' state.
+        stale_after: a rank whose state is older than this shows ``hung``.
+        start: start the polling thread now.
+        subshell: route the buttons to a kernel subshell so they act during a cell
+            (``None``: when the kernel supports it).
+    """
+
+    def __init__(
+        self,
+        session: Any = None,
+        *,
+        model: str | None = None,
+        interval: float = 0.5,
+        stale_after: float = 3.0,
+        start: bool = True,
+        subshell: bool | None = None,
+    ):
+        import ipywidgets as w
+
+        self._w = w
+        self._session = session
+        self.model = model
+        self.interval = interval
+        self.stale_after = stale_after
+        self.stop_grace = max(3.0, 4 * interval)
+        self._lock = threading.RLock()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+        self.polls = 0
+        self._values: dict[str, Any] = {}
+        self._shown_in: int | None = None
+
+        self.header = w.HTML()
+        self.header.add_class("mlxdist-header")
+        self.buttons = {
+            "interrupt": w.Button(description="Interrupt", icon="stop",
+                                  tooltip="interrupt the running cell (SIGINT to busy ranks)"),
+            "restart": w.Button(description="Restart", icon="refresh",
+                                tooltip="new engines, same N and backend"),
+            "stop": w.Button(description="Stop", icon="power-off", button_style="danger",
+                             tooltip="stop the engines and the controller"),
+        }  # fmt: skip
+        for name, b in self.buttons.items():
+            b.add_class(f"mlxdist-{name}")
+        self.buttons["interrupt"].on_click(lambda _: self._guarded(self.interrupt))
+        self.buttons["restart"].on_click(lambda _: self._guarded(self.restart))
+        self.buttons["stop"].on_click(lambda _: self._guarded(self.stop))
+        self.message = w.HTML()
+        self.message.add_class("mlxdist-message")
+        self.hint = w.HTML()
+        self.controls = w.HBox([*self.buttons.values(), self.message])
+        self.controls.add_class("mlxdist-controls")
+        self.titles = self._grid([w.HTML(f"<b>{t}</b>") for _, t, _ in COLUMNS])
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.ranks_box = w.VBox([self.titles])
+        self.ranks_box.add_class("mlxdist-ranks")
+        self.progress = ProgressPanel()
+        self.model_box = w.HTML()
+        self.model_box.add_class("mlxdist-model")
+        self.widget = w.VBox(
+            [self.header, self.controls, self.hint, self.ranks_box, self.progress.widget,
+             self.model_box]
+        )  # fmt: skip
+        self.widget.add_class("mlxdist-dashboard")
+
+        use_subshell = subshell is None or subshell
+        sid = control_subshell() if use_subshell else None
+        self.live_controls = route_to_subshell(list(self.buttons.values()), sid)
+        self.hint.value = f"<small>{_HINT_LIVE if self.live_controls else _HINT_QUEUED}</small>"
+        if model:
+            self.watch(model)
+        self.refresh()
+        if start:
+            self.start()
+
+    # -- session -----------------------------------------------------------------
+    @property
+    def session(self) -> Any:
+        if self._session is not None:
+            return self._session
+        from ..api import current_session
+
+        return current_session(required=False)
+
+    def watch(self, model: str | None) -> None:
+        """Show the parameters of ``model`` (a name on the ranks); ``None`` stops it."""
+        from ..engine.monitor import watch_model
+
+        self.model = model
+        s = self.session
+        if s is not None and s.state == "ready":
+            s.apply(watch_model, model)
+
+    # -- widgets -----------------------------------------------------------------
+    def _grid(self, children: list[Any]) -> Any:
+        w = self._w
+        cols = " ".join(width for _, _, width in COLUMNS)
+        return w.GridBox(children, layout=w.Layout(grid_template_columns=cols, grid_gap="0 6px"))
+
+    def _row(self, rank: int) -> dict[str, Any]:
+        w = self._w
+        cells = {key: w.HTML() for key, _, _ in COLUMNS}
+        cells["state"].add_class("mlxdist-state")
+        box = self._grid(list(cells.values()))
+        box.add_class("mlxdist-rank-row")
+        return {"box": box, "cells": cells}
+
+    def _ensure_rows(self, n: int) -> None:
+        if sorted(self.rows) == list(range(n)):
+            return
+        self.rows = {r: self.rows.get(r) or self._row(r) for r in range(n)}
+        self.ranks_box.children = [self.titles, *(self.rows[r]["box"] for r in range(n))]
+
+    # -- refresh -----------------------------------------------------------------
+    def refresh(self) -> dict[str, Any]:
+        """Read the ranks' state once and update every widget; returns :meth:`values`."""
+        with self._lock:
+            s = self.session
+            hv = header_values(s)
+            self.header.value = _header_html(hv)
+            ranks: dict[int, dict[str, str]] = {}
+            records: dict[int, dict[str, Any]] = {}
+            if s is not None:
+                self._ensure_rows(s.n)
+                states = s.rank_states() if s.directory is not None else {
+                    r: RankState(rank=r) for r in range(s.n)
+                }  # fmt: skip
+                records = (
+                    {r: s.rank_record(r) for r in range(s.n)} if s.directory is not None else {}
+                )
+                now = time.time()
+                sstate = s.state
+                if sstate in ("ready", "broken") and getattr(s.client, "_closed", False):
+                    sstate = "stopped"  # stop() is ending the engines: not dead ranks
+                for r, st in states.items():
+                    vals = rank_values(
+                        st, now=now, stale_after=self.stale_after, session_state=sstate
+                    )
+                    ranks[r] = vals
+                    self._show_row(r, vals)
+                bars, scalars = collect(records)
+                self.progress.update(bars, scalars, {r: v["state"] for r, v in ranks.items()})
+            mv = model_values(records) if self.model else {}
+            html_model = model_html(mv, s.n if s is not None else 0)
+            if self.model_box.value != html_model:
+                self.model_box.value = html_model
+            self.polls += 1
+            self._values = {
+                "header": hv,
+                "ranks": ranks,
+                "message": self.message.value,
+                "progress": self.progress.values(),
+                "model": mv,
+                "live_controls": self.live_controls,
+            }
+            return self._values
+
+    def _show_row(self, rank: int, vals: dict[str, str]) -> None:
+        cells = self.rows[rank]["cells"]
+        for key, text in vals.items():
+            if key == "state":
+                color = STATE_COLORS.get(text, "#333")
+                value = (
+                    f'<span class="mlxdist-badge" data-state="{html.escape(text)}" '
+                    f'style="color:#fff; background:{color}; padding:1px 6px; '
+                    f'border-radius:8px">{html.escape(text)}</span>'
+                )
+            elif key == "rank":
+                from .progress import rank_hex
+
+                value = f'<b style="color:{rank_hex(rank)}">rank {rank}</b>'
+            else:
+                value = html.escape(text)
+            if cells[key].value != value:
+                cells[key].value = value
+
+    def values(self) -> dict[str, Any]:
+        """The dashboard's state as plain values (header, ranks, progress, model, message)."""
+        with self._lock:
+            out = dict(self._values)
+        out["message"] = self.message.value  # set by the buttons between two polls
+        return out
+
+    def text(self) -> str:
+        """A plain-text rendering (front ends without widgets, logs)."""
+        v = self.values()
+        h = v.get("header", {})
+        lines = [
+            f"session {h.get('session')}: {h.get('state')}, {h.get('n')} ranks, "
+            f"backend={h.get('backend')}, launcher={h.get('launcher')}, up {h.get('uptime')}"
+        ]
+        for r, row in sorted(v.get("ranks", {}).items()):
+            lines.append(
+                f"  rank {r}: {row['state']:<8} {row['cell']:<18} last {row['last']:<22} "
+                f"{row['device']}  mem {row['memory']}  {row['process']}  "
+                f"coll {row['collectives']}"
+            )
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        data = dict(data or {})
+        data["text/plain"] = self.text()
+        return data
+
+    def show(self) -> None:
+        """Display the dashboard under the current cell."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        ip = get_ipython()
+        self._shown_in = getattr(ip, "execution_count", None)
+        display(self._repr_mimebundle_(), raw=True)
+
+    def _ipython_display_(self) -> None:
+        # dashboard() already showed it in this cell: being the cell's value too
+        # must not show it twice
+        from IPython import get_ipython
+
+        count = getattr(get_ipython(), "execution_count", None)
+        if self._shown_in is not None and self._shown_in == count:
+            return
+        self.show()
+
+    # -- polling -----------------------------------------------------------------
+    def start(self) -> None:
+        """Start (or restart) the polling thread."""
+        with self._lock:
+            if self.closed or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._halt.clear()
+            self._thread = threading.Thread(
+                target=self._loop, name="mlx_nbdist-dashboard", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def polling(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        stopped_since: float | None = None
+        while not self._halt.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001 - a display must never die loudly
+                self._say(f"refresh failed: {type(e).__name__}: {e}")
+            s = self.session
+            if s is None or s.state == "stopped":
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since > self.stop_grace:
+                    break
+            else:
+                stopped_since = None
+            if getattr(self.widget, "comm", True) is None:  # closed
+                break
+
+    def close(self) -> None:
+        """Stop polling and close the widgets."""
+        self.closed = True
+        self._halt.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+        for wdg in self._all_widgets():
+            try:
+                wdg.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _all_widgets(self) -> list[Any]:
+        out = [self.widget, self.header, self.controls, self.message, self.hint,
+               self.ranks_box, self.titles, self.model_box, self.progress.widget,
+               *self.buttons.values()]  # fmt: skip
+        for row in self.rows.values():
+            out += [row["box"], *row["cells"].values()]
+        return out
+
+    # -- controls ----------------------------------------------------------------
+    def _say(self, text: str) -> str:
+        self.message.value = f"<span>{html.escape(text)}</span>"
+        return text
+
+    def _guarded(self, fn: Callable[[], str]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - shown in the dashboard, not lost in a log
+            self._say(f"{type(e).__name__}: {e}")
+
+    def interrupt(self) -> str:
+        """Interrupt: the running ``%%mlxdist`` cell, else SIGINT to busy ranks."""
+        s = self.session
+        if s is None or s.state == "stopped":
+            return self._say("no session is running")
+        live = running_cell(s)
+        if live is not None:
+            live.request_interrupt()
+            timer = threading.Timer(1.5, self._sigint_if_undelivered, args=(s, live))
+            timer.daemon = True
+            timer.start()
+            return self._say(
+                "interrupting the running cell: SIGINT to its ranks, "
+                "then ranks that do not stop are ended"
+            )
+        busy = [r for r, st in s.rank_states().items() if st.state == "busy"]
+        if not busy:
+            return self._say("no rank is busy: nothing to interrupt")
+        s.kill_ranks(busy, signal.SIGINT)
+        return self._say(f"sent SIGINT to busy rank(s) {busy}")
+
+    def _sigint_if_undelivered(self, s: Any, live: Any) -> None:
+        if live.interrupt_delivered.is_set() or running_cell(s) is not live:
+            return
+        busy = [r for r, st in s.rank_states().items() if st.state == "busy"]
+        s.kill_ranks(busy, signal.SIGINT)
+        self._say(f"the cell did not take the interrupt; sent SIGINT to rank(s) {busy}")
+
+    def restart(self) -> str:
+        """Restart the session (after interrupting a running cell)."""
+        return self._lifecycle("restart")
+
+    def stop(self) -> str:
+        """Stop the session (after interrupting a running cell)."""
+        return self._lifecycle("stop")
+
+    def _lifecycle(self, action: str) -> str:
+        s = self.session
+        if s is None:
+            return self._say("no session")
+        live = running_cell(s)
+        if live is not None:
+            live.request_interrupt()
+            live.after(lambda: self._do(action, s))
+            return self._say(f"interrupting the running cell; then {action}")
+        if getattr(s.client, "outstanding", None):
+            return self._say(
+                f"a call on the session is still running outside a %%mlxdist cell; "
+                f"interrupt it with Jupyter's stop button, then {action}"
+            )
+        return self._do(action, s)
+
+    def _do(self, action: str, s: Any) -> str:
+        try:
+            if action == "stop":
+                if s.state == "stopped":
+                    return self._say("the session is already stopped")
+                self._say("stopping…")
+                s.stop()
+                self.refresh()
+                return self._say(f"session {s.session_id} stopped")
+            self._say("restarting…")
+            s.restart()
+            if self.model:
+                self.watch(self.model)
+            self.start()
+            self.refresh()
+            return self._say(f"restarted: session {s.session_id}, {s.n} ranks")
+        except Exception as e:  # noqa: BLE001
+            return self._say(f"{action} failed: {type(e).__name__}: {e}")
+
+
+def _header_html(h: dict[str, str]) -> str:
+    color = STATE_COLORS.get({"ready": "idle"}.get(h["state"], h["state"]), "#333")
+    broken = (
+        f' · <span style="color:#d62728">broken: {html.escape(h["broken"])} '
+        "(restart to continue)</span>"
+        if h.get("broken")
+        else ""
+    )
+    return (
+        f'<div class="mlxdist-session" data-state="{html.escape(h["state"])}">'
+        f"<b>MLX session</b> {html.escape(h['session'])} · "
+        f'<b style="color:{color}">{html.escape(h["state"])}</b> · '
+        f"backend {html.escape(h['backend'])} · launcher {html.escape(h['launcher'])} · "
+        f"{html.escape(h['n'])} ranks · up {html.escape(h['uptime'])}{broken}</div>"
+    )
+
+
+def dashboard(
+    session: Any = None, *, model: str | None = None, interval: float = 0.5, show: bool = True
+) -> Dashboard:
+    """Show a live dashboard of the session (default: the current one).
+
+    Args:
+        session: the session; ``None`` follows the current session.
+        model: a model name on the ranks whose parameters / shard shapes to show.
+        interval: seconds between updates.
+        show: display it under the current cell now.
+
+    Returns:
+        The :class:`Dashboard` (``.close()`` stops it; ``.values()`` reads it).
+    """
+    d = Dashboard(session, model=model, interval=interval)
+    if show:
+        d.show()
+    return d
