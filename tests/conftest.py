@@ -104,19 +104,21 @@ def _ours_anywhere() -> dict[int, psutil.Process]:
     return out
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _no_leftovers() -> Iterator[None]:
+@pytest.fixture(autouse=True, scope="module")
+def _no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test module ends every engine, controller and mpirun it started."""
     before = set(_ours_anywhere())
     yield
-    time.sleep(1.0)  # nannies linger a moment after a clean stop
-    left = [p for pid, p in _ours_anywhere().items() if pid not in before]
-    left = [p for p in left if wait_gone([p.pid], timeout=8.0)]
+    new = [p for pid, p in _ours_anywhere().items() if pid not in before]
+    left = [p for p in new if wait_gone([p.pid], timeout=10.0)]
+    described = []
     for p in left:
         try:
+            described.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:160]}")
             p.kill()
         except psutil.Error:
             pass
-    assert not left, f"processes left running after the tests: {[p.pid for p in left]}"
+    assert not left, f"{request.module.__name__} left processes running:\n" + "\n".join(described)
 
 
 def _is_ours(p: psutil.Process) -> bool:
