@@ -973,7 +973,17 @@ def _pull_name(name: str) -> Any:
     ns = get_ipython().user_ns
     if name not in ns:
         raise NameError(f"name {name!r} is not defined on this rank")
-    return ns[name]
+    value = ns[name]
+    cls = type(value)
+    if cls.__module__ == "__main__":
+        # pickled by reference to a class the notebook does not have: ipyparallel would
+        # fail to rebuild it in the notebook and never complete the call
+        raise TypeError(
+            f"{name!r} is a {cls.__name__}, a class defined in a cell on the ranks, which "
+            "the notebook cannot rebuild; pull plain data (arrays, numbers, dicts), or use "
+            "mlx_nbdist.slices()/show() for a model's parameters"
+        )
+    return value
 
 
 def _wait_output(fut: Any, timeout: float = 2.0) -> None:

@@ -180,3 +180,11 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_pull_of_a_cell_defined_class_is_a_clear_error(session2: Session) -> None:
+    session2.run("class Thing:\n    pass\nthing = Thing()")
+    with pytest.raises(CellError) as info:
+        session2.pull("thing", ranks=[0])
+    assert "a class defined in a cell on the ranks" in info.value.failures[0].evalue
+    assert session2.pull("rank") == {0: 0, 1: 1}
