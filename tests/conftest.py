@@ -99,7 +99,7 @@ def _ours_anywhere() -> dict[int, psutil.Process]:
     so looking only at pytest's descendants would miss them)."""
     out = {}
     for p in psutil.process_iter():
-        if _is_ours(p):
+        if is_ours(p):
             out[p.pid] = p
     return out
 
@@ -121,7 +121,8 @@ def _no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not left, f"{request.module.__name__} left processes running:\n" + "\n".join(described)
 
 
-def _is_ours(p: psutil.Process) -> bool:
+def is_ours(p: psutil.Process) -> bool:
+    """An ipyparallel engine/controller or MPI launcher process."""
     try:
         cmd = " ".join(p.cmdline())
     except psutil.Error:

@@ -25,6 +25,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+try:
+    from .conftest import is_ours
+except ImportError:  # run as a script: python tests/test_notebooks.py --refresh
+    from conftest import is_ours
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -51,20 +56,12 @@ DOWNLOADS = re.compile(
 )
 
 
-def _is_ours(p: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(p.cmdline())
-    except psutil.Error:
-        return False
-    return any(k in cmd for k in ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun"))
-
-
 def _session_processes(kernel_pid: int) -> set[int]:
     try:
         kids = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.Error:
         return set()
-    return {p.pid for p in kids if _is_ours(p)}
+    return {p.pid for p in kids if is_ours(p)}
 
 
 def _alive(pids: set[int], timeout: float) -> list[int]:
@@ -211,10 +208,10 @@ def test_an_unexpected_error_fails_and_leaves_nothing_running(tmp_path: Path) ->
     )
     path = tmp_path / "99-broken.ipynb"
     nbformat.write(nb, path)
-    before = {p.pid for p in psutil.Process().children(recursive=True) if _is_ours(p)}
+    before = {p.pid for p in psutil.Process().children(recursive=True) if is_ours(p)}
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="not the expected failure"):
         execute(path)
-    after = {p.pid for p in psutil.Process().children(recursive=True) if _is_ours(p)}
+    after = {p.pid for p in psutil.Process().children(recursive=True) if is_ours(p)}
     assert _alive(after - before, timeout=10) == []
 
 
