@@ -723,10 +723,22 @@ class Session:
     def _require(self) -> None:
         if self.state == STOPPED or self.client is None:
             raise NotStartedError("no session is running: start one with %mlxdist start -n N")
+        if self.state == READY:
+            self._check_alive()
         if self.state == BROKEN:
             raise SessionBrokenError(
                 f"the MLX group is broken ({self.broken_reason}); "
                 "run %mlxdist restart (or Session.restart()) to get new engines"
+            )
+
+    def _check_alive(self) -> None:
+        """Mark the session broken when a rank's engine went away between cells
+        (killed from outside, out of memory): its group can no longer form."""
+        dead = [r for r in self.ranks if not self.rank_alive(r)]
+        if dead:
+            self.state = BROKEN
+            self.broken_reason = ", ".join(
+                f"rank {r} (pid {self.ranks[r].pid}) exited since the last cell" for r in dead
             )
 
     def resolve_ranks(self, ranks: Iterable[int] | None) -> list[int]:

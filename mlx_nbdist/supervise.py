@@ -127,9 +127,9 @@ class Supervisor:
         try:
             while True:
                 pending = self._pending()
+                self._check_dead(pending)
                 if not pending:
                     break
-                self._check_dead(pending)
                 pending = [r for r in self._pending() if r not in self.out.failures]
                 if not pending:
                     break
@@ -158,7 +158,9 @@ class Supervisor:
             self.on_tick = None
 
     def _check_dead(self, pending: list[int]) -> None:
-        dead = [r for r in pending if r not in self.out.failures and not self.s.rank_alive(r)]
+        # Every target, not only the pending ones: ipyparallel may already have failed
+        # the future of an engine whose heartbeat stopped.
+        dead = [r for r in self.futures if r not in self.out.failures and not self.s.rank_alive(r)]
         if not dead:
             return
         self._mark(dead, DIED, "process exited")

@@ -115,6 +115,21 @@ def test_engine_killed_from_outside_mid_cell(fresh2: Session) -> None:
     assert_works(fresh2)
 
 
+def test_engine_killed_between_cells_is_reported_before_dispatch(fresh2: Session) -> None:
+    victim = fresh2.ranks[1].pid
+    os.kill(victim, signal.SIGKILL)
+    t_end = time.monotonic() + 5
+    while fresh2.rank_alive(1) and time.monotonic() < t_end:
+        time.sleep(0.05)
+    with pytest.raises(SessionBrokenError) as info:
+        fresh2.run("print(rank)", timeout=30)
+    assert f"rank 1 (pid {victim}) exited since the last cell" in str(info.value)
+    assert "restart" in str(info.value)
+    assert fresh2.state == "broken"
+    fresh2.restart()
+    assert_works(fresh2)
+
+
 def test_interrupt_during_hung_collective(fresh2: Session) -> None:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
