@@ -50,7 +50,7 @@ test: setup browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check mlx_nbdist tests bench
+	$(BIN)/ruff check .
 
 # Benchmarks: side-by-side ratios, written to docs/performance.md (several minutes).
 bench: setup

@@ -64,9 +64,9 @@ def section_collectives(d: dict) -> list[str]:
 
 def section_slices(d: dict) -> list[str]:
     out = ["## Pulling slices to the notebook (2 ranks x 64 MB)", "",
-           "| path | median | GB/s |", "|---|---|---|"]
+           "| path | median | p95 | GB/s (median) |", "|---|---|---|---|"]
     for name, st in d.items():
-        out.append(f"| {name} | {ms(st['median'])} | {st['GB/s']:.2f} |")
+        out.append(f"| {name} | {ms(st['median'])} | {ms(st['p95'])} | {st['GB/s']:.2f} |")
     return out + [""]
 
 

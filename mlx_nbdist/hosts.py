@@ -29,6 +29,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import SetupError
 
@@ -446,3 +447,23 @@ def _check_ip(ip: object, where: str) -> None:
         raise SetupError(f"{where}: {ip!r} is not an IP address")
     if ipaddress.ip_address(ip).version != 4:
         raise SetupError(f"{where}: {ip} is IPv6; the MLX ring needs IPv4 addresses")
+
+
+def match_host(probe: dict[str, Any], hosts: list[Host], pids: dict[str, set[int]]) -> str | None:
+    """The host an engine runs on: by the PID its launcher reported, then by its
+    addresses, then by its hostname; ``None`` when that is ambiguous."""
+    cands = [h for h in hosts if probe["pid"] in pids.get(h.name, ())]
+    if len(cands) == 1:
+        return cands[0].name
+    cands = cands or hosts
+    by_ip = [h for h in cands if h.ips and set(h.ips) <= set(probe["addresses"])]
+    if len(by_ip) == 1:
+        return by_ip[0].name
+    by_ip = [h for h in cands if h.hostname in probe["addresses"]]
+    if len(by_ip) == 1:
+        return by_ip[0].name
+    short = probe["hostname"].split(".")[0]
+    by_name = [h for h in cands if h.hostname.split(".")[0] == short]
+    if len(by_name) == 1:
+        return by_name[0].name
+    return None

@@ -100,14 +100,14 @@ def _abort_start(session: Any, budget: float = 2.0) -> None:
     until the start gives up.
     """
     from . import magics
-    from .session import _end_pids
+    from .processes import end_pids
 
     thread = magics._STARTING.get("thread")
     t_end = time.monotonic() + budget
     while thread is not None and thread.is_alive() and time.monotonic() < t_end:
         pids = session._recorded_pids()
         if pids:
-            _end_pids(pids, grace=0.5)
+            end_pids(pids, grace=0.5)
         thread.join(0.1)
 
 

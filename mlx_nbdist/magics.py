@@ -307,7 +307,7 @@ class MLXDist(Magics):
         self.shell.run_cell(cell, store_history=False)
 
     def _cmd_cleanup(self, args: argparse.Namespace) -> None:
-        from .session import cleanup
+        from .processes import cleanup
 
         ended = cleanup()
         print("\n".join(ended) if ended else "nothing to clean up")

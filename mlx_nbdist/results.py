@@ -6,6 +6,7 @@ session produces and that :mod:`mlx_nbdist.viz` and the magics consume.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +183,10 @@ class TensorSlice:
         ranges: ``(start, stop)`` blocks along ``axis`` in the full tensor.
         kind: ``sharded``, ``replicated`` or ``quantized`` (packed weights, scales, biases).
         data: the local values as numpy (``None`` when only a summary was pulled).
-        summary: ``min``, ``max``, ``mean``, ``std``, ``norm`` of the local values.
+        summary: ``min``, ``max``, ``mean``, ``std``, ``norm`` of the local values
+            (the whole slice even when ``data`` is a sample). The rank computes it
+            when it does not send every value; else it is computed here, on first
+            read, from ``data``.
         sampled: True when ``data`` is a strided sample rather than the whole slice.
     """
 
@@ -202,10 +206,50 @@ class TensorSlice:
     def replicated(self) -> bool:
         return self.axis is None
 
+    def metadata(self) -> dict[str, Any]:
+        """Every field but ``data``; ``summary`` as it stands (not computed here)."""
+        out = {
+            f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("data", "summary")
+        }
+        return {**out, "summary": self.__dict__.get("_summary") or {}}
+
     @property
     def nbytes(self) -> int:
         itemsize = np.dtype(_NUMPY_NAMES.get(self.dtype, "float32")).itemsize
         return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+
+def _get_summary(self: TensorSlice) -> dict[str, float]:
+    got = self.__dict__.get("_summary") or {}
+    if not got and self.data is not None and not self.sampled:
+        got = self.__dict__["_summary"] = summarize(self.data)
+    return got
+
+
+def _set_summary(self: TensorSlice, value: dict[str, float]) -> None:
+    self.__dict__["_summary"] = value
+
+
+# Computed on first read when the slice came whole: a pull of a large slice does not
+# wait for four passes over it on the rank. Assigned after @dataclass, which set up
+# __init__/__eq__/__repr__ to go through the attribute.
+TensorSlice.summary = property(_get_summary, _set_summary)  # type: ignore[assignment]
+
+
+def summarize(values: np.ndarray) -> dict[str, float]:
+    """min, max, mean, std and norm in a few fast passes (no float64 copy of the values)."""
+    if values.size == 0:
+        nan = float("nan")
+        return {"min": nan, "max": nan, "mean": nan, "std": nan, "norm": 0.0}
+    flat = values.reshape(-1)
+    if not np.issubdtype(flat.dtype, np.floating):
+        flat = flat.astype(np.float64)
+    mean = float(np.add.reduce(flat, dtype=np.float64)) / flat.size
+    sq = flat if flat.dtype != np.float16 else flat.astype(np.float32)
+    sumsq = float(np.dot(sq, sq))
+    var = max(sumsq / flat.size - mean * mean, 0.0)
+    return {"min": float(flat.min()), "max": float(flat.max()), "mean": mean,
+            "std": math.sqrt(var), "norm": math.sqrt(max(sumsq, 0.0))}  # fmt: skip
 
 
 _NUMPY_NAMES = {"bfloat16": "float16"}

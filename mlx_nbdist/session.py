@@ -24,36 +24,30 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from . import hosts as _hosts
-from . import launch
+from . import launch, processes
 from .engine import bootstrap as _bootstrap
 from .engine import transfer
 from .errors import (
-    CellError,
-    CellInterrupted,
-    CollectiveTimeout,
     NotStartedError,
     SessionBrokenError,
     SetupError,
     StartError,
 )
+from .outcomes import collect, raise_for, short_error
 from .results import (
     DIED,
-    ERROR,
     CellResult,
     CollectiveRecord,
-    RankFailure,
     RankInfo,
-    RankOutput,
     RankState,
 )
-from .supervise import Outcome, Policy, Supervisor, error_of
+from .supervise import Outcome, Policy, Supervisor, failed
 
 STOPPED, STARTING, READY, BROKEN = "stopped", "starting", "ready", "broken"
 Progress = Callable[[str], None]
@@ -256,7 +250,7 @@ class Session:
             where = f" on host {', '.join(failed)}" if failed else f" on {p.summary()}"
             raise StartError(
                 f"could not start the engines{where} ({self.launcher} launcher): "
-                f"{_short_error(e)}. Check that `ssh HOST` works without a prompt from "
+                f"{short_error(e)}. Check that `ssh HOST` works without a prompt from "
                 "this machine and that the hosts have this Python environment "
                 f"({self.python or 'the same path as here'})."
             ) from e
@@ -330,7 +324,7 @@ class Session:
             r: (
                 not self.assume_remote
                 and probes[eid]["machine"] == _bootstrap.machine_id()
-                and _bootstrap._same_process(probes[eid]["pid"], probes[eid]["started"])
+                and processes.same_process(probes[eid]["pid"], probes[eid]["started"])
             )
             for r, eid in order.items()
         }
@@ -350,7 +344,7 @@ class Session:
         # One rank that sees this process ends the controller if the notebook dies.
         reaper = next((r for r in sorted(order) if watch[r]), None)
         cpid = self._controller_pid()
-        reap = [cpid, *_children(cpid)] if cpid else []
+        reap = [cpid, *processes.children(cpid)] if cpid else []
         base = dict(
             size=self.n,
             backend=self.backend,
@@ -382,7 +376,7 @@ class Session:
                 info = ar.get(timeout=max(0.1, t_end - time.monotonic()))
                 infos[info["rank"]] = RankInfo(**info)
             except Exception as e:  # noqa: BLE001 - reported below with the engine id
-                errors.append(f"rank {r} ({self._where(order[r], places[r])}): {_short_error(e)}")
+                errors.append(f"rank {r} ({self._where(order[r], places[r])}): {short_error(e)}")
         if errors:
             hint = ""
             if self.placement is not None and self.backend == "ring":
@@ -433,7 +427,7 @@ class Session:
             try:
                 probes[eid] = ar.get(timeout=max(0.1, t_end - time.monotonic()))
             except Exception as e:  # noqa: BLE001
-                errors.append(f"engine {eid}: {_short_error(e)}")
+                errors.append(f"engine {eid}: {short_error(e)}")
         if errors:
             raise StartError("engines did not answer:\n  " + "\n  ".join(errors))
         return probes
@@ -450,7 +444,7 @@ class Session:
                 pids.setdefault(host, set()).add(int(lnch.pid))
         on: dict[str, list[int]] = {}
         for eid in ids:
-            host = _match_host(probes[eid], p.distinct(), pids)
+            host = _hosts.match_host(probes[eid], p.distinct(), pids)
             if host is None:
                 pr = probes[eid]
                 raise StartError(
@@ -475,7 +469,7 @@ class Session:
             return RankPlace(host=probe["hostname"])
         if self.launcher == "ssh":
             return RankPlace(host=self.placement.hosts[rank].name)
-        host = _match_host(probe, self.placement.distinct(), {})  # mpirun placed it
+        host = _hosts.match_host(probe, self.placement.distinct(), {})  # mpirun placed it
         return RankPlace(host=host or probe["hostname"])
 
     def _ring_ips(self, rank: int, place: RankPlace, probe: dict[str, Any]) -> list[str]:
@@ -519,7 +513,7 @@ class Session:
                     ports = ar.get(timeout=max(0.1, t_end - time.monotonic()))
                 except Exception as e:  # noqa: BLE001
                     raise StartError(
-                        f"rank {r} ({self._where(order[r], places[r])}): {_short_error(e)}"
+                        f"rank {r} ({self._where(order[r], places[r])}): {short_error(e)}"
                     ) from None
                 endpoints[r] = [f"{ip}:{port}" for ip, port in zip(ips[r], ports, strict=True)]
             # two ranks on one host may draw the same free port: draw again for those
@@ -563,7 +557,7 @@ class Session:
                 self.cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - fall through to ending the PIDs
                 pass
-            _end_pids(pids)
+            processes.end_pids(pids)
         if self.directory is not None:
             self._write_record(stopped=True)
         if self.session_id:
@@ -593,7 +587,7 @@ class Session:
         if self.cluster is not None:
             cpid = self._controller_pid()
             if cpid:
-                pids += [cpid, *_children(cpid)]  # the controller forks its schedulers
+                pids += [cpid, *processes.children(cpid)]  # the controller forks its schedulers
             for es in self.cluster.engines.values():
                 for lnch in getattr(es, "launchers", {}).values():
                     p = getattr(getattr(lnch, "process", None), "pid", None)
@@ -686,7 +680,7 @@ class Session:
             for r in ranks:
                 lnch = by_host.get(self.places[r].host)
                 if lnch is not None:
-                    jobs.append(_remote_kill(lnch, self.ranks[r].pid, sig))
+                    jobs.append(processes.remote_kill(lnch, self.ranks[r].pid, sig))
         elif self.launcher == "mpi" and sig == signal.SIGKILL and self.cluster is not None:
             # mpirun cannot signal one remote rank; ending it ends the job (the group
             # is broken by ending any rank anyway)
@@ -708,14 +702,14 @@ class Session:
             try:
                 ars[r] = self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records)
             except Exception as e:  # noqa: BLE001 - e.g. its engine was unregistered
-                self.last_drain_error = f"rank {r}: {_short_error(e)}"
+                self.last_drain_error = f"rank {r}: {short_error(e)}"
                 done[r] = []
         t_end = time.monotonic() + timeout
         for r, ar in ars.items():
             try:
                 done[r] = ar.get(timeout=max(0.05, t_end - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - a drain that fails falls back to ending ranks
-                self.last_drain_error = f"rank {r}: {_short_error(e)}"
+                self.last_drain_error = f"rank {r}: {short_error(e)}"
                 done[r] = []
         return {r: lines for r, lines in done.items() if lines}
 
@@ -752,6 +746,9 @@ class Session:
                 f"--ranks {bad or '(empty)'}: ranks of this session are 0..{self.n - 1}"
             )
         return out
+
+    def _engine_ids(self) -> dict[int, int]:
+        return {r: info.engine_id for r, info in self.ranks.items()}
 
     def _view(self, ranks: list[int]) -> Any:
         return self.client[[self.ranks[r].engine_id for r in ranks]]
@@ -807,9 +804,9 @@ class Session:
         ar = self._view(targets).execute(code, silent=False, block=False, label=json.dumps(meta))
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout, on_tick)
-        result = self._collect(futures, outcome, time.monotonic() - t0)
+        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
         self._forget(ar)
-        _raise_for(result, outcome, timeout, self._host_notes(result, outcome))
+        raise_for(result, outcome, timeout, self._host_notes(result, outcome))
         return result
 
     def apply(
@@ -835,14 +832,14 @@ class Session:
         ar = self._view(targets).apply_async(_bootstrap.call, meta, fn, *args, **kwargs)
         futures = dict(zip(targets, ar._children, strict=True))
         outcome = self._supervise(futures, timeout)
-        result = self._collect(futures, outcome, time.monotonic() - t0)
+        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
         values = {
             r: f.result()
             for r, f in futures.items()
-            if r not in outcome.failures and not _failed(f)
+            if r not in outcome.failures and not failed(f)
         }
         self._forget(ar)
-        _raise_for(result, outcome, timeout, self._host_notes(result, outcome))
+        raise_for(result, outcome, timeout, self._host_notes(result, outcome))
         return values
 
     def _host_notes(self, result: CellResult, outcome: Outcome) -> str:
@@ -909,31 +906,6 @@ class Session:
         self._require()
         self._view(self.resolve_ranks(ranks)).push(namespace, block=True)
 
-    def _collect(self, futures: dict[int, Any], outcome: Outcome, elapsed: float) -> CellResult:
-        outs: dict[int, RankOutput] = {}
-        for r, fut in futures.items():
-            if r in outcome.replied:
-                _wait_output(fut)
-            md = fut.output.metadata
-            out = RankOutput(
-                rank=r,
-                engine_id=self.ranks[r].engine_id,
-                stdout=md["stdout"] or "",
-                stderr=md["stderr"] or "",
-                outputs=list(md["outputs"] or []),
-                result=(md["execute_result"] or {}).get("data"),
-            )
-            out.duration = _seconds(md["started"], md["completed"])
-            exc = error_of(fut)
-            if r in outcome.failures:
-                out.failure = outcome.failures[r]
-            elif exc is not None:
-                out.failure = _failure_from(r, exc)
-            if out.failure is not None:
-                out.status = out.failure.cause
-            outs[r] = out
-        return CellResult(cell=self._cell, ranks=outs, elapsed=elapsed, valid=outcome.valid)
-
     # -- inspection ----------------------------------------------------------------------
     def rank_states(self) -> dict[int, RankState]:
         """Live state of every rank, read from the files the ranks publish."""
@@ -951,6 +923,13 @@ class Session:
             out[r] = st
         return out
 
+    @property
+    def uptime(self) -> float:
+        """Seconds since the session (or its last restart) started; 0 when stopped."""
+        if not self._started_at or self.state == STOPPED:
+            return 0.0
+        return time.time() - self._started_at
+
     def status(self) -> SessionStatus:
         return SessionStatus(
             state=self.state,
@@ -958,7 +937,7 @@ class Session:
             backend=self.backend,
             launcher=self.launcher,
             session_id=self.session_id,
-            uptime=time.time() - self._started_at if self._started_at else 0.0,
+            uptime=self.uptime,
             broken_reason=self.broken_reason,
             ranks=dict(self.ranks),
             alive={r: self.rank_alive(r) for r in self.ranks},
@@ -967,16 +946,6 @@ class Session:
 
 
 _STATE_KEYS = set(RankState.__dataclass_fields__) - {"rank"}
-
-
-def _seconds(start: Any, end: Any) -> float | None:
-    if not start or not end:
-        return None
-    start, end = (datetime.fromisoformat(t) if isinstance(t, str) else t for t in (start, end))
-    try:
-        return (end - start).total_seconds()
-    except TypeError:  # one naive, one aware
-        return None
 
 
 def _pull_name(name: str) -> Any:
@@ -996,106 +965,6 @@ def _pull_name(name: str) -> Any:
             "mlx_nbdist.slices()/show() for a model's parameters"
         )
     return value
-
-
-def _wait_output(fut: Any, timeout: float = 2.0) -> None:
-    try:
-        fut.output.result(timeout=timeout)
-    except Exception:  # noqa: BLE001 - outputs are best effort after a reply
-        pass
-
-
-def _failure_from(rank: int, err: BaseException) -> RankFailure:
-    ename = getattr(err, "ename", type(err).__name__)
-    evalue = getattr(err, "evalue", str(err))
-    tb = getattr(err, "traceback", None)
-    if isinstance(tb, str):
-        lines = tb.splitlines()
-    elif isinstance(tb, list):
-        lines = [str(x) for x in tb]
-    else:
-        lines = []
-    cause = DIED if ename in ("EngineError",) else ERROR
-    return RankFailure(
-        rank=rank, cause=cause, ename=ename, evalue=evalue, traceback=_trim_internal(lines)
-    )
-
-
-def _trim_internal(lines: list[str]) -> list[str]:
-    """Drop the traceback blocks of mlx_nbdist's own engine wrappers."""
-    blocks: list[list[str]] = [[]]
-    for line in lines:
-        if not line.strip():
-            blocks.append([])
-        else:
-            blocks[-1].append(line)
-    keep = [b for b in blocks if b and not any("mlx_nbdist/engine/" in x for x in b[:1])]
-    out: list[str] = []
-    for b in keep:
-        out += [*b, ""]
-    return out[:-1] if out else lines
-
-
-def _raise_for(
-    result: CellResult, outcome: Outcome, timeout: float | None, notes: str = ""
-) -> None:
-    if result.ok:
-        return
-    summary = outcome.summary
-    if notes:
-        summary = (summary + "\n" if summary else "") + notes
-    if outcome.broken:
-        summary = (summary + "\n" if summary else "") + (
-            f"The MLX group is broken ({outcome.broken}); run %mlxdist restart."
-        )
-    if outcome.timed_out:
-        summary += (
-            f"\nThe cell ran past its deadline of {timeout:g} s. If it legitimately needs "
-            "longer, run it with a larger --timeout (or set %config MLXDist.timeout)."
-        )
-        raise CollectiveTimeout(result, summary.strip())
-    if outcome.interrupted:
-        raise CellInterrupted(result, summary.strip())
-    raise CellError(result, summary.strip())
-
-
-def _failed(fut: Any) -> bool:
-    try:
-        return fut.exception() is not None or isinstance(fut.result(), BaseException)
-    except Exception:  # noqa: BLE001
-        return True
-
-
-def _match_host(
-    probe: dict[str, Any], hosts: list[_hosts.Host], pids: dict[str, set[int]]
-) -> str | None:
-    """The host an engine runs on: by the PID its launcher reported, then by its
-    addresses, then by its hostname; ``None`` when that is ambiguous."""
-    cands = [h for h in hosts if probe["pid"] in pids.get(h.name, ())]
-    if len(cands) == 1:
-        return cands[0].name
-    cands = cands or hosts
-    by_ip = [h for h in cands if h.ips and set(h.ips) <= set(probe["addresses"])]
-    if len(by_ip) == 1:
-        return by_ip[0].name
-    by_ip = [h for h in cands if h.hostname in probe["addresses"]]
-    if len(by_ip) == 1:
-        return by_ip[0].name
-    short = probe["hostname"].split(".")[0]
-    by_name = [h for h in cands if h.hostname.split(".")[0] == short]
-    if len(by_name) == 1:
-        return by_name[0].name
-    return None
-
-
-def _remote_kill(launcher: Any, pid: int, sig: int) -> Callable[[], None]:
-    def job() -> None:
-        try:
-            launcher.ssh_sender.cmd_kill(pid, int(sig))
-        except Exception:  # noqa: BLE001 - gone already, or the host is unreachable
-            pass
-
-    return job
 
 
 def _unanswering(endpoints: dict[int, list[str]], timeout: float = 1.0) -> list[int]:
@@ -1122,80 +991,11 @@ def _unanswering(endpoints: dict[int, list[str]], timeout: float = 1.0) -> list[
     return [r for r, lst in endpoints.items() if lst and not any(results.get(e) for e in lst)]
 
 
-def _short_error(e: BaseException) -> str:
-    ename = getattr(e, "ename", None)
-    if ename:
-        return f"{ename}: {getattr(e, 'evalue', '')}"
-    return f"{type(e).__name__}: {e}"
-
-
 def _check_n(n: Any) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
     if n > 64:
         raise SetupError(f"-n {n} is more ranks than one machine can sensibly run (max 64)")
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:
-    """End the processes we started (checked by PID and start time), TERM then KILL."""
-    procs = []
-    for pid, started in pids:
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) < 1.0:
-                procs.append(p)
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-
-
-def cleanup() -> list[str]:
-    """End the recorded processes of sessions whose notebook process is gone."""
-    ended = []
-    for rec_path in launch.runtime_root().glob("*/session.json"):
-        try:
-            rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if _client_alive(rec):
-            continue
-        pids = [(int(p), float(t)) for p, t in rec.get("pids", [])]
-        live = [p for p, t in pids if _same_process(p, t)]
-        _end_pids(pids)
-        if live:
-            ended.append(f"session {rec['session_id']}: ended pids {live}")
-        rec["state"], rec["pids"] = STOPPED, []
-        rec_path.write_text(json.dumps(rec))
-    return ended
-
-
-def _same_process(pid: int, started: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
-    except psutil.Error:
-        return False
-
-
-def _client_alive(rec: dict[str, Any]) -> bool:
-    return _same_process(int(rec.get("client_pid", 0)), float(rec.get("client_started", 0)))
 
 
 @atexit.register

@@ -258,7 +258,10 @@ class Supervisor:
 
 def failed(fut: Future) -> bool:
     """ipyparallel resolves an execute that raised with the error as its *result*."""
-    return fut.exception() is not None or isinstance(fut.result(), BaseException)
+    try:
+        return fut.exception() is not None or isinstance(fut.result(), BaseException)
+    except Exception:  # noqa: BLE001 - a cancelled or broken future: not a success
+        return True
 
 
 def error_of(fut: Future) -> BaseException | None:

@@ -153,7 +153,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
     import psutil
 
     from mlx_nbdist import launch
-    from mlx_nbdist.session import cleanup
+    from mlx_nbdist.processes import cleanup
 
     monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
     dead_client = subprocess.Popen([sys.executable, "-c", "pass"])

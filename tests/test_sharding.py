@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -430,17 +431,37 @@ def test_slices_sample_and_zero_copy(s2):
         stride = math.ceil(w.shape[0] / sm.data.shape[0])
         np.testing.assert_array_equal(sm.data, w.data[::stride, ::stride])
         assert sm.summary == pytest.approx(w.summary)  # the stats cover the whole slice
-    # ranks on the notebook's host: values come through shared memory, mapped (not
-    # copied, not pickled), and the shared-memory file is already unlinked
+    from mlx_nbdist import models
+    from mlx_nbdist.engine import remote, transfer
+
+    # ranks on the notebook's host (Linux): the notebook copies each slice straight
+    # out of the rank's memory into an array of its own; no file, no pickle
+    assert transfer.vm_available()
+    host = socket.gethostname()
+    for _, (_m, info, values) in s2.apply(
+        remote.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, True
+    ).items():
+        assert values is None and {"pid", "addr", "nbytes"} <= set(info)
     for sl in whole:
+        assert sl.data.base is not None and sl.data.base.flags.owndata  # a uint8 copy, viewed
+    assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
+    with pytest.raises(OSError, match="reading rank memory"):
+        transfer._vm_read(2**22 + 12345, 0x1000, np.empty(8, np.uint8))  # no such process
+    # where the notebook may not read the ranks' memory: shared memory, mapped (not
+    # copied, not pickled), and the shared-memory file is already unlinked
+    models._NO_VM.add(s2)
+    try:
+        shm = mlx_nbdist.slices("zc.layers.0.weight", session=s2)
+    finally:
+        models._NO_VM.discard(s2)
+    for sl, w in zip(shm, whole, strict=True):
+        np.testing.assert_array_equal(sl.data, w.data)
         owner = buffer_owner(sl.data)
         assert isinstance(owner, memoryview) and isinstance(owner.obj, mmap.mmap), type(owner)
         assert not sl.data.flags.owndata
     assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
     # a rank on another host (no shared memory): 8 KiB arrive as their own zmq frame,
     # not inside the pickle
-    from mlx_nbdist.engine import remote
-
     for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
         owner = buffer_owner(values)
         assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame), type(owner)

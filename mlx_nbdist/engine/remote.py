@@ -7,7 +7,7 @@ tuple so ipyparallel sends them as zero-copy buffers instead of pickling them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -62,13 +62,18 @@ def shard_model(name: str, sharding: Any, segments: int) -> str:
 
 
 def slice_of(
-    expr: str, max_elements: int | None, shm_prefix: str | None = None, client_host: str = ""
+    expr: str,
+    max_elements: int | None,
+    shm_prefix: str | None = None,
+    client_host: str = "",
+    vm: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None]:
     """This rank's slice of a parameter: (metadata, transfer info, values or None).
 
-    The values travel through shared memory when the notebook runs on this host
-    (``shm_prefix`` given), else as an out-of-band ipyparallel buffer (a top-level
-    item of the returned tuple).
+    When the notebook runs on this host (``shm_prefix`` given) the values stay here
+    for the notebook to read (``vm``) or go through shared memory; else they travel as
+    an out-of-band ipyparallel buffer (a top-level item of the returned tuple). See
+    :mod:`mlx_nbdist.engine.transfer`.
     """
     from .bootstrap import current
     from .slices import local_slice
@@ -82,10 +87,8 @@ def slice_of(
             raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
     sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
     prefix = shm_prefix if shm_prefix and same_host(client_host) else None
-    info, values = (None, None) if sl.data is None else pack(sl.data, prefix)
-    # not dataclasses.asdict: it would deep-copy the values we just packed
-    meta = {f.name: getattr(sl, f.name) for f in fields(sl) if f.name != "data"}
-    return meta, info, values
+    info, values = (None, None) if sl.data is None else pack(sl.data, prefix, vm=vm)
+    return sl.metadata(), info, values
 
 
 def quantized_parts(expr: str) -> list[str]:

@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..results import TensorSlice
+from ..results import TensorSlice, summarize
 from ..sharding import ParamSpec, param_specs
 
 __all__ = ["local_slice", "model_shards"]
@@ -106,7 +106,9 @@ def _describe(
     return TensorSlice(
         name=spec.path, rank=rank, shape=tuple(arr.shape), full_shape=tuple(spec.full_shape),
         dtype=_dtype_name(arr.dtype), axis=spec.axis, ranges=spec.ranges(), kind=spec.kind,
-        data=data, summary=_summary(values), sampled=sampled,
+        data=data, sampled=sampled,
+        # sent whole: the notebook computes it when asked (TensorSlice.summary)
+        summary={} if data is not None and not sampled else summarize(values),
     )
 
 
@@ -125,19 +127,3 @@ def _sample(values: np.ndarray, max_elements: int | None) -> tuple[np.ndarray, b
     while math.prod(-(-d // stride) for d in values.shape) > limit:
         stride += 1
     return np.ascontiguousarray(values[(slice(None, None, stride),) * values.ndim]), True
-
-
-def _summary(values: np.ndarray) -> dict[str, float]:
-    """min, max, mean, std and norm in a few fast passes (no float64 copy of the slice)."""
-    if values.size == 0:
-        nan = float("nan")
-        return {"min": nan, "max": nan, "mean": nan, "std": nan, "norm": 0.0}
-    flat = values.reshape(-1)
-    if not np.issubdtype(flat.dtype, np.floating):
-        flat = flat.astype(np.float64)
-    mean = float(np.add.reduce(flat, dtype=np.float64)) / flat.size
-    sumsq = float(np.dot(flat, flat)) if flat.dtype != np.float16 else float(
-        np.dot(flat.astype(np.float32), flat.astype(np.float32)))
-    var = max(sumsq / flat.size - mean * mean, 0.0)
-    return {"min": float(flat.min()), "max": float(flat.max()), "mean": mean,
-            "std": math.sqrt(var), "norm": math.sqrt(max(sumsq, 0.0))}

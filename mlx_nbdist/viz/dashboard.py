@@ -125,14 +125,13 @@ def header_values(session: Any) -> dict[str, str]:
     if session is None:
         return {"session": "-", "state": "no session", "backend": "-", "launcher": "-",
                 "n": "0", "uptime": "-", "broken": ""}  # fmt: skip
-    up = time.time() - session._started_at if session.state != "stopped" else 0.0
     return {
         "session": session.session_id or "-",
         "state": session.state,
         "backend": session.backend,
         "launcher": session.launcher,
         "n": str(session.n),
-        "uptime": _uptime(up) if session._started_at and session.state != "stopped" else "-",
+        "uptime": _uptime(session.uptime) if session.uptime else "-",
         "broken": session.broken_reason if session.state == "broken" else "",
     }
 
