@@ -150,9 +150,11 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
     """
     s = _session(session)
     vm = transfer.vm_available() and s not in _NO_VM
+    read = _READ.pop(s, {})
     got = sorted(
-        s.apply(remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname(), vm)
-        .items()
+        s.apply(
+            remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname(), vm, read
+        ).items()
     )
     try:
         # ranks in parallel where cores are to spare (measured on 2 cores: two reader
@@ -166,6 +168,11 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
             raise
         _NO_VM.add(s)  # this notebook may not read the ranks' memory: shared memory then
         return slices(name, max_elements=max_elements, session=s)
+    finally:  # read or not, the ranks may let go of them with the next pull
+        done = _READ.setdefault(s, {})
+        for r, (_meta, info, _values) in got:
+            if info is not None and "token" in info:
+                done.setdefault(r, []).append(info["token"])
     out = []
     for (_, (meta, _info, _values)), data in zip(got, datas, strict=True):
         meta = dict(meta, data=data)
@@ -177,6 +184,8 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
 
 #: sessions whose ranks' memory this process may not read (ptrace rules, containers)
 _NO_VM: weakref.WeakSet[Session] = weakref.WeakSet()
+#: per session and rank, the tokens of transfers read since the last pull
+_READ: weakref.WeakKeyDictionary[Session, dict[int, list[int]]] = weakref.WeakKeyDictionary()
 
 
 def _unpack(info: dict[str, Any] | None, values: Any) -> Any:

@@ -434,6 +434,9 @@ def test_slices_sample_and_zero_copy(s2):
     from mlx_nbdist import models
     from mlx_nbdist.engine import remote, transfer
 
+    # each rank holds what it lent until the notebook says it has read it: here the
+    # sampled pull released the whole one, and only the sample is still held
+    assert s2.apply(transfer.pinned) == {0: 1, 1: 1}
     # ranks on the notebook's host (Linux): the notebook copies each slice straight
     # out of the rank's memory into an array of its own; no file, no pickle
     assert transfer.vm_available()

@@ -67,18 +67,21 @@ def slice_of(
     shm_prefix: str | None = None,
     client_host: str = "",
     vm: bool = False,
+    read: dict[int, list[int]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None]:
     """This rank's slice of a parameter: (metadata, transfer info, values or None).
 
     When the notebook runs on this host (``shm_prefix`` given) the values stay here
     for the notebook to read (``vm``) or go through shared memory; else they travel as
     an out-of-band ipyparallel buffer (a top-level item of the returned tuple). See
-    :mod:`mlx_nbdist.engine.transfer`.
+    :mod:`mlx_nbdist.engine.transfer`. ``read`` holds, per rank, the tokens of earlier
+    ``vm`` transfers the notebook has finished reading.
     """
     from .bootstrap import current
     from .slices import local_slice
-    from .transfer import pack, same_host
+    from .transfer import pack, release, same_host
 
+    release((read or {}).get(current().rank, []))
     obj, rest = resolve(expr)
     if not rest:
         import mlx.core as mx

@@ -6,8 +6,8 @@ Three routes, the fastest that works:
 * ``vm`` (Linux, the rank's process visible to the notebook): the rank keeps the
   array where it is and sends its address; the notebook copies it straight from the
   rank's memory into a new array with ``process_vm_readv`` (one copy, no file, no
-  page of shared memory to fault in). The rank holds the array until its next
-  transfer, which the notebook only asks for after it has read this one.
+  page of shared memory to fault in). The rank holds the array until the notebook
+  says it has read it (the token rides on its next request, :func:`release`).
 * ``shm`` (a rank on the same host where ``vm`` is refused): the rank writes the
   array once into a file in ``/dev/shm``; the notebook maps it (no copy) and unlinks
   it at once, so the memory lives as long as the returned numpy array.
@@ -31,8 +31,8 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 _counter = itertools.count()
-#: arrays whose address went to the notebook, kept alive until the next transfer
-_PINNED: list[np.ndarray] = []
+#: arrays whose address went to the notebook, by token, until it has read them
+_PINNED: dict[int, np.ndarray] = {}
 
 
 def shm_available() -> bool:
@@ -55,14 +55,14 @@ def pack(
         values)``. Return the array as a top-level item of the result tuple:
         ipyparallel sends top-level arrays as raw buffers, nested ones inside the pickle.
     """
-    _PINNED.clear()  # the notebook has read the previous transfer before asking again
     values = np.ascontiguousarray(values)
     info: dict[str, Any] = {"dtype": values.dtype.str, "shape": values.shape}
     if prefix is None or values.nbytes == 0:
         return info, values
     if vm:
-        _PINNED.append(values)
-        info.update(pid=os.getpid(), addr=values.ctypes.data, nbytes=values.nbytes)
+        token = next(_counter)
+        _PINNED[token] = values
+        info.update(pid=os.getpid(), addr=values.ctypes.data, nbytes=values.nbytes, token=token)
         return info, None
     if not shm_available():
         return info, values
@@ -78,6 +78,17 @@ def pack(
         os.close(fd)
     info["shm"] = str(path)
     return info, None
+
+
+def release(tokens: list[int]) -> None:
+    """Let go of arrays the notebook has read (see ``vm`` above)."""
+    for t in tokens:
+        _PINNED.pop(t, None)
+
+
+def pinned() -> int:
+    """How many arrays wait for the notebook to read them."""
+    return len(_PINNED)
 
 
 def unpack(info: dict[str, Any], values: np.ndarray | None) -> np.ndarray:
