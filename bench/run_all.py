@@ -111,7 +111,7 @@ def write_doc(results: dict, info: dict, notes: str) -> None:
     lines = ["# Performance", "",
              "Measured by `make bench` (bench/run_all.py): every comparison runs side by side in "
              "one run on the same machine. Numbers are medians unless marked.", "",
-             "| machine | |", "|---|---|"]
+             "| machine | |", "|---|---|"]  # date: when each section was last measured
     lines += [f"| {k} | {v} |" for k, v in info.items()] + [""]
     for name, fn in SECTIONS.items():
         if name in results:
@@ -125,6 +125,8 @@ def main(argv: list[str]) -> int:
     names = argv or list(BENCHES)
     info = machine()
     results = {}
+    dates_path = RESULTS / "dates.json"
+    dates = json.loads(dates_path.read_text()) if dates_path.exists() else {}
     for name in BENCHES:
         path = RESULTS / f"{name}.json"
         if name in names:
@@ -132,11 +134,14 @@ def main(argv: list[str]) -> int:
             try:
                 results[name] = BENCHES[name].main()
                 save(name, results[name])
+                dates[name] = info["date"]
             except Exception:  # noqa: BLE001 - report and continue with the others
                 traceback.print_exc()
                 return 1
         elif path.exists():
             results[name] = json.loads(path.read_text())
+    dates_path.write_text(json.dumps(dates, indent=1) + "\n")
+    info["date"] = "; ".join(f"{n} {dates[n]}" for n in BENCHES if n in results and n in dates)
     notes_path = Path(__file__).parent / "NOTES.md"
     write_doc(results, info, notes_path.read_text() if notes_path.exists() else "")
     print(f"wrote {DOC}")
