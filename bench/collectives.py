@@ -6,7 +6,10 @@ script started by ``mlx.launch`` (ring) or ``mpirun`` (mpi). GB/s = bytes / medi
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +111,33 @@ def plain_script(backend: str) -> dict[int, float]:
         return _parse(run_script(cmd, env=env))
 
 
+def direct_ring_script() -> dict[int, float]:
+    """The same script, both ranks started directly with the environment ``mlx.launch``
+    gives them (hostfile, rank): ``mlx.launch`` itself busy-polls its children's pipes
+    (measured: 105 % CPU while its ranks sleep), which on two cores slows the ranks."""
+    from mlx_nbdist.launch import free_ports
+
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "bench_allsum.py"
+        script.write_text(SCRIPT.format(sizes=_sizes()))
+        hostfile = Path(d) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+        procs = [subprocess.Popen([sys.executable, str(script), "ring"], text=True,
+                                  env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for r in range(2)]  # fmt: skip
+        try:
+            outs = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:  # only ours, by handle
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError("direct ring script failed:\n" + "\n".join(e for _, e in outs))
+        return _parse(outs[0][0])
+
+
 def mpi4py_allreduce() -> dict[int, float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "bench_mpi4py.py"
@@ -142,11 +172,12 @@ def _free_base_port() -> int:
     return free_ports(1)[0]
 
 
-def main(trials: int = 3) -> dict:
+def main(trials: int = 5) -> dict:
     """Each path ``trials`` times, alternating, so drifting machine load hits all alike."""
     paths = {
         "%%mlxdist cell, ring": lambda: in_cell("ring"),
         "mlx.launch script, ring": lambda: plain_script("ring"),
+        "script, ring, ranks started directly": direct_ring_script,
         "%%mlxdist cell, mpi": lambda: in_cell("mpi"),
         "mpirun script, MLX mpi": lambda: plain_script("mpi"),
         "mpi4py Allreduce (mpirun)": mpi4py_allreduce,

@@ -54,11 +54,14 @@ def section_collectives(d: dict) -> list[str]:
     for name, row in d.items():
         out.append(f"| {name} | " + " | ".join(f"{row.get(str(s), row.get(s, float('nan'))):.3f}"
                                               for s in sizes) + " |")
-    cell, plain = d.get("%%mlxdist cell, ring", {}), d.get("mlx.launch script, ring", {})
-    if cell and plain:
-        ratios = [float(cell[k]) / float(plain[k]) for k in cell if k in plain]
-        out += ["", "In-cell / plain-script ratio (ring): "
-                + ", ".join(f"{r:.2f}" for r in ratios)]
+    for cell_name, script_name in (("%%mlxdist cell, ring", "mlx.launch script, ring"),
+                                   ("%%mlxdist cell, ring", "script, ring, ranks started directly"),
+                                   ("%%mlxdist cell, mpi", "mpirun script, MLX mpi")):
+        cell, plain = d.get(cell_name, {}), d.get(script_name, {})
+        if cell and plain:
+            ratios = [float(cell[k]) / float(plain[k]) for k in cell if k in plain]
+            out += ["", f"{cell_name} / {script_name}, by size: "
+                    + ", ".join(f"{r:.2f}" for r in ratios)]
     return out + [""]
 
 
