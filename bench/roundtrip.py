@@ -1,4 +1,4 @@
-"""Cell round trip: a trivial %%mlxdist cell versus %%px and view.execute.
+"""Cell round trip: a trivial %%mlxdist cell versus %%px, view.execute and a broadcast view.
 
 All three paths run against the same engines of one session, interleaved, so the
 ratios are measured side by side.
@@ -21,13 +21,16 @@ def measure(n: int, runs: int = 200) -> dict:
     ip.run_line_magic("load_ext", "mlx_nbdist")
     with Session(n, timeout=60) as s:
         api.set_current_session(s)
-        view = s.client[[s.ranks[r].engine_id for r in range(n)]]
+        ids = [s.ranks[r].engine_id for r in range(n)]
+        view = s.client[ids]
+        bview = s.client.broadcast_view(targets=ids)  # one message, fanned out by a scheduler
         view.activate()  # registers %%px for these engines
         paths = {
             "%%mlxdist (magic)": lambda: ip.run_cell_magic("mlxdist", "", "pass"),
             "Session.run": lambda: s.run("pass"),
             "%%px (ipyparallel)": lambda: ip.run_cell_magic("px", "--block", "pass"),
             "view.execute(block=True)": lambda: view.execute("pass", block=True),
+            "broadcast_view.execute(block=True)": lambda: bview.execute("pass", block=True),
         }
         samples: dict[str, list[float]] = {k: [] for k in paths}
         sink = io.StringIO()

@@ -14,6 +14,7 @@ and ``%%local`` runs a cell here when auto mode is on.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import threading
@@ -113,7 +114,9 @@ def _line_parser() -> _Parser:
     return p
 
 
+@functools.cache
 def _cell_parser() -> _Parser:
+    """Built once: it runs before every cell (parsers keep no state between parses)."""
     p = _Parser(prog="%%mlxdist", add_help=False)
     p.add_argument("--ranks", type=_ranks, default=None, help="run on these ranks only")
     p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")

@@ -67,6 +67,8 @@ class Policy:
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
     poll: float = 0.02
+    #: how often the rank processes are checked for life (each check reads /proc)
+    alive_every: float = 0.2
     #: how often ``on_tick`` is called while a cell runs
     tick: float = 0.25
 
@@ -85,10 +87,11 @@ class Supervisor:
         self.futures = futures
         self.policy = policy
         self.on_tick = on_tick
-        self._last_tick = 0.0
+        self._last_tick = time.monotonic()  # the first tick after one interval
         self.out = Outcome()
         self._failed_at: float | None = None
         self._drained = False
+        self._alive_at = time.monotonic()  # the session checked them before dispatch
 
     # -- helpers ------------------------------------------------------------------
     def _pending(self) -> list[int]:
@@ -158,9 +161,18 @@ class Supervisor:
             self.on_tick = None
 
     def _check_dead(self, pending: list[int]) -> None:
-        # Every target, not only the pending ones: ipyparallel may already have failed
-        # the future of an engine whose heartbeat stopped.
-        dead = [r for r in self.futures if r not in self.out.failures and not self.s.rank_alive(r)]
+        now = time.monotonic()
+        if now - self._alive_at < self.policy.alive_every:
+            return
+        self._alive_at = now
+        # Not only the pending ranks: ipyparallel may already have failed the future
+        # of an engine whose heartbeat stopped.
+        maybe = [
+            r
+            for r, f in self.futures.items()
+            if r not in self.out.failures and (not f.done() or failed(f))
+        ]
+        dead = [r for r in maybe if not self.s.rank_alive(r)]
         if not dead:
             return
         self._mark(dead, DIED, "process exited")
