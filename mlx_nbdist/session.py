@@ -583,7 +583,9 @@ class Session:
         return getattr(proc, "pid", None)
 
     def _recorded_pids(self) -> list[tuple[int, float]]:
-        pids: list[int] = [p.pid for p in self._procs.values()]
+        pids: list[int] = []
+        for p in self._procs.values():  # each engine with ipyparallel's nanny that watches it
+            pids += [p.pid, *processes.children(p.pid)]
         if self.cluster is not None:
             cpid = self._controller_pid()
             if cpid:

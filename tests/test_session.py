@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import psutil
 import pytest
 
 from mlx_nbdist import CellError, NotStartedError, Session, SetupError
@@ -110,8 +111,11 @@ def test_stop_leaves_no_process_and_no_port() -> None:
     hostfile = json.loads((s.directory / "hostfile.json").read_text())
     ring_ports = {int(h[0].split(":")[1]) for h in hostfile}
     assert len(pids) >= 3 and ports
+    # every process it started is recorded, ipyparallel's engine nannies included
+    started = {c.pid for p in pids for c in psutil.Process(p).children(recursive=True)}
+    assert started <= set(pids)
     s.stop()
-    assert wait_gone(pids) == []
+    assert wait_gone(pids, timeout=0.3) == []  # ended by stop, not left to exit later
     assert not (ports | ring_ports) & listening_ports()
     record = json.loads((s.directory / "session.json").read_text())
     assert record["state"] == "stopped"
