@@ -8,6 +8,7 @@ the process's start time, as recorded when the session started it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,23 @@ def children(pid: int) -> list[int]:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def group_members(pgid: int, started: float, marker: str) -> list[tuple[int, float]]:
+    """Processes in process group ``pgid`` started since ``started`` whose command line
+    contains ``marker``: what a group leader forked, even after we last looked."""
+    out = []
+    for p in psutil.process_iter(["create_time", "cmdline"]):
+        try:
+            if (
+                os.getpgid(p.pid) == pgid
+                and p.info["create_time"] >= started - 1.0
+                and marker in " ".join(p.info["cmdline"] or [])
+            ):
+                out.append((p.pid, p.info["create_time"]))
+        except (OSError, psutil.Error):
+            pass
+    return out
 
 
 def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:

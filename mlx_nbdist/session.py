@@ -549,6 +549,8 @@ class Session:
                 pass
         if self.cluster is not None:
             pids = self._recorded_pids()
+            cpid = self._controller_pid()
+            c_started = next((t for p, t in pids if p == cpid), None)
             if self.state == BROKEN and self.ranks:
                 # ranks stuck in a collective ignore SIGTERM: spare the launchers'
                 # grace period (5 s per engine over ssh) and end them now
@@ -558,6 +560,12 @@ class Session:
             except Exception:  # noqa: BLE001 - fall through to ending the PIDs
                 pass
             processes.end_pids(pids)
+            if cpid and c_started is not None:
+                # the controller leads its own process group and forks its schedulers
+                # into it: one forked after the list above was made is ended here
+                processes.end_pids(
+                    processes.group_members(cpid, c_started, "ipyparallel.controller")
+                )
         if self.directory is not None:
             self._write_record(stopped=True)
         if self.session_id:

@@ -40,7 +40,7 @@ import pytest
 from mlx_nbdist import CellError, CollectiveTimeout, Session, SetupError, StartError, launch
 from mlx_nbdist import hosts as H
 
-from .conftest import wait_gone
+from .conftest import _ours_anywhere, wait_gone
 
 # -- placements, Slurm and mpirun: parsing and command lines (no processes) -----------
 
@@ -180,10 +180,15 @@ def test_ssh_launcher_settings_and_controller_address() -> None:
 
 
 def test_an_unreachable_host_is_named_and_nothing_is_left() -> None:
+    before = set(_ours_anywhere())
     s = Session(hosts="ghost-node", controller_ip="127.0.0.1", ssh_cmd=["false"], start_timeout=30)
     with pytest.raises(StartError, match="could not start the engines on host ghost-node"):
         s.start()
     assert s.state == "stopped" and s.cluster is None
+    # the start fails while the controller is still forking its schedulers: those
+    # forked after the session listed its processes are ended too, not orphaned
+    left = [pid for pid in _ours_anywhere() if pid not in before]
+    assert wait_gone(left, timeout=1.0) == []
 
 
 # -- hosts as network namespaces --------------------------------------------------------
