@@ -221,7 +221,8 @@ class TensorSlice:
 
 def _get_summary(self: TensorSlice) -> dict[str, float]:
     got = self.__dict__.get("_summary") or {}
-    if not got and self.data is not None and not self.sampled:
+    complete = self.data is not None and not self.sampled
+    if not got and complete and tuple(np.shape(self.data)) == tuple(self.shape):
         got = self.__dict__["_summary"] = summarize(self.data)
     return got
 
@@ -237,11 +238,14 @@ TensorSlice.summary = property(_get_summary, _set_summary)  # type: ignore[assig
 
 
 def summarize(values: np.ndarray) -> dict[str, float]:
-    """min, max, mean, std and norm in a few fast passes (no float64 copy of the values)."""
+    """min, max, mean, std and norm in a few fast passes (no float64 copy of the values);
+    of the magnitudes for complex values."""
     if values.size == 0:
         nan = float("nan")
         return {"min": nan, "max": nan, "mean": nan, "std": nan, "norm": 0.0}
     flat = values.reshape(-1)
+    if np.iscomplexobj(flat):
+        flat = np.abs(flat)
     if not np.issubdtype(flat.dtype, np.floating):
         flat = flat.astype(np.float64)
     mean = float(np.add.reduce(flat, dtype=np.float64)) / flat.size

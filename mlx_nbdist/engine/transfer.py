@@ -142,7 +142,7 @@ def vm_available() -> bool:
 def _vm_read(pid: int, addr: int, out: np.ndarray) -> None:
     """Copy ``out.nbytes`` bytes at ``addr`` in process ``pid`` into ``out``.
 
-    ctypes releases the GIL for the call, so several ranks are read in parallel.
+    ctypes releases the GIL for the call, so ranks can be read in parallel threads.
     """
     if _VM_READ is None:
         raise OSError("process_vm_readv is not available on this platform")

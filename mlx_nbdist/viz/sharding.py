@@ -417,9 +417,10 @@ def _color_scale(image: np.ndarray) -> tuple[str, float, float]:
 
 
 def _stats(s: TensorSlice) -> dict[str, float]:
-    """min/max/norm of a slice: its summary, else computed from complete data."""
+    """min/max/norm of a slice: its summary (computed from complete data on first
+    read), else, for a summary given without them, from complete data here."""
     out = {k: float(v) for k, v in s.summary.items() if k in ("min", "max", "norm")}
-    if s.data is not None and not _is_sampled(s) and np.size(s.data):
+    if len(out) < 3 and s.data is not None and not _is_sampled(s) and np.size(s.data):
         data = np.asarray(s.data)
         if np.iscomplexobj(data):
             data = np.abs(data)
