@@ -67,9 +67,12 @@ def section_collectives(d: dict) -> list[str]:
 
 def section_slices(d: dict) -> list[str]:
     out = ["## Pulling slices to the notebook (2 ranks x 64 MB)", "",
-           "| path | median | p95 | GB/s (median) |", "|---|---|---|---|"]
+           "| path | median | p95 | GB/s (median) | of memcpy into new memory |",
+           "|---|---|---|---|---|"]
     for name, st in d.items():
-        out.append(f"| {name} | {ms(st['median'])} | {ms(st['p95'])} | {st['GB/s']:.2f} |")
+        share = f"{st['of memcpy'] * 100:.0f} %" if "of memcpy" in st else "-"
+        out.append(f"| {name} | {ms(st['median'])} | {ms(st['p95'])} | {st['GB/s']:.2f} | "
+                   f"{share} |")
     return out + [""]
 
 

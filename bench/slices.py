@@ -1,13 +1,17 @@
 """Pulling a rank's slice to the notebook: its routes versus a pickled object.
 
-``slices()`` copies a local rank's slice straight out of its memory (Linux
-``process_vm_readv``), or where that is refused maps it from ``/dev/shm``; both are
-timed, interleaved. The comparison returns the same array inside a dataclass, which
-ipyparallel pickles in-band. memcpy of the same bytes is the physical limit.
+``slices()`` of a local rank: the rank copies the slice into a shared-memory
+segment of its pool that the notebook has mapped already (the notebook's array is
+the segment), or where there is no ``/dev/shm`` the notebook copies it out of the
+rank's memory (Linux ``process_vm_readv``); both timed, interleaved. A third series
+pulls a size no segment fits, so each pull makes new segments (a first pull's cost). The
+comparison returns the same array inside a dataclass, which ipyparallel pickles
+in-band. memcpy of the same bytes is the physical limit.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -16,9 +20,10 @@ from common import stats, time_it
 
 import mlx_nbdist
 from mlx_nbdist import Session, models
+from mlx_nbdist.engine import transfer
 
 MB = 64
-REPS = 11
+REPS = 21
 
 
 def _pickled(name: str):  # runs on the ranks
@@ -35,13 +40,27 @@ def main() -> dict:
     nbytes = MB * 2**20
     with Session(2, timeout=300) as s:
         s.run(f"big = mx.ones(({nbytes // 4},), dtype=mx.float32) * rank\nmx.eval(big)")
-        mlx_nbdist.slices("big", session=s)
-        zero, shm = [], []
+        mlx_nbdist.slices("big", session=s)  # a first pull: the ranks make segments
+        s.apply(transfer.settle)
+        routes = models.receiver(s).routes
+        pool, vm = [], []
         for _ in range(REPS):  # the two routes interleaved
-            zero.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
-            models._NO_VM.add(s)  # the route taken where rank memory cannot be read
-            shm.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
-            models._NO_VM.discard(s)
+            pool.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
+            routes.remove("pool")  # the route taken where there is no /dev/shm
+            vm.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
+            routes.insert(0, "pool")
+        # the first pull of a slice size: no segment fits, so the notebook reads rank
+        # memory while each rank makes a segment in the background (for the next
+        # pull). A larger array each time so that no segment fits, old ones dropped.
+        s.run("from mlx_nbdist.engine import transfer\ntransfer.POOL_IDLE = 0")
+        cold, cold_bytes = [], []
+        for i in range(REPS):
+            n = nbytes // 4 + (i + 1) * 2**18  # 1 MiB more each time
+            s.run(f"big2 = mx.ones(({n},)) * rank\nmx.eval(big2)")
+            cold.append(time_it(lambda: mlx_nbdist.slices("big2", session=s)))
+            cold_bytes.append(2 * 4 * n)
+            s.apply(transfer.settle)
+        s.run("del big2\ntransfer.POOL_IDLE = 256 << 20")
         # after them: a 64 MB pickle slows whatever call comes next (measured: the
         # following pull takes twice as long), which would tax the interleaved routes
         pickled = [time_it(lambda: s.apply(_pickled, "big")) for _ in range(REPS)]
@@ -59,15 +78,19 @@ def main() -> dict:
         c = a.copy()  # into new memory: what any transfer of a new array must pay
         fresh.append(time.perf_counter() - t0)
         del c
-    total = 2 * nbytes  # both ranks' slices
+    total = [2 * nbytes] * REPS  # both ranks' slices
     out = {}
-    for name, samples in (("slices(), read from the rank's memory", zero),
-                          ("slices(), through /dev/shm", shm),
-                          ("apply, pickled dataclass", pickled),
-                          ("numpy memcpy into a new array", fresh),
-                          ("numpy memcpy into a reused array", mem)):
-        st = stats(samples)
-        out[name] = {**st, "GB/s": total / st["median"] / 1e9}
+    for name, samples, size in (("slices(), shared-memory pool", pool, total),
+                                ("slices(), read from the rank's memory", vm, total),
+                                ("slices(), first pull of a size", cold, cold_bytes),
+                                ("apply, pickled dataclass", pickled, total),
+                                ("numpy memcpy into a new array", fresh, total),
+                                ("numpy memcpy into a reused array", mem, total)):
+        rates = [b / t / 1e9 for b, t in zip(size, samples, strict=True)]
+        out[name] = {**stats(samples), "GB/s": statistics.median(rates)}
+    limit = out["numpy memcpy into a new array"]["GB/s"]
+    for st in out.values():
+        st["of memcpy"] = st["GB/s"] / limit
     return out
 
 

@@ -139,40 +139,41 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
            ) -> list[TensorSlice]:
     """Each rank's slice of a parameter as numpy, with where it sits in the full tensor.
 
-    Values never go through a pickle: from a rank on this machine the notebook copies
-    them straight out of the rank's memory (Linux), or maps them from ``/dev/shm``;
-    from another host they come as raw ipyparallel buffers (see
-    :mod:`mlx_nbdist.engine.transfer`).
+    Values never go through a pickle. From a rank on this machine the array *is* a
+    shared-memory segment the rank copied the slice into (nothing is copied in the
+    notebook), or a copy read straight out of the rank's memory where no shared
+    memory is to be had; from another host it comes as a raw ipyparallel buffer
+    (see :mod:`mlx_nbdist.engine.transfer`).
 
     Args:
         name: ``model.path.to.param`` (or the name of an array) on the ranks.
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    vm = transfer.vm_available() and s not in _NO_VM
-    read = _READ.pop(s, {})
-    got = sorted(
-        s.apply(
-            remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname(), vm, read
-        ).items()
-    )
-    try:
-        # ranks in parallel where cores are to spare (measured on 2 cores: two reader
-        # threads halve the median but, competing with the engines and the
+    rx = receiver(s)
+    with rx.request:  # what the notebook holds must not change while a request is out
+        got = sorted(
+            s.apply(
+                remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname(),
+                tuple(rx.routes), rx.held(),
+            ).items()
+        )  # fmt: skip
+        vm = sum(1 for _, (_m, info, _v) in got if info and info.get("route") == "vm")
+        # ranks read in parallel where cores are to spare (measured on 2 cores: two
+        # reader threads halve the median but, competing with the engines and the
         # controller, take 3-6x longer one time in ten; one thread never did)
-        workers = max(1, min(len(got), (os.cpu_count() or 1) // 2))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            datas = list(pool.map(lambda g: _unpack(*g[1][1:]), got))
-    except OSError:
-        if not vm:
-            raise
-        _NO_VM.add(s)  # this notebook may not read the ranks' memory: shared memory then
+        workers = min(vm, (os.cpu_count() or 1) // 2)
+        try:
+            if workers > 1:
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    datas = list(pool.map(lambda g: rx.unpack(g[0], *g[1][1:]), got))
+            else:
+                datas = [rx.unpack(r, info, values) for r, (_m, info, values) in got]
+        except transfer.RouteRefused as e:
+            rx.routes.remove(e.route)  # e.g. ptrace rules forbid reading rank memory
+            datas = None
+    if datas is None:
         return slices(name, max_elements=max_elements, session=s)
-    finally:  # read or not, the ranks may let go of them with the next pull
-        done = _READ.setdefault(s, {})
-        for r, (_meta, info, _values) in got:
-            if info is not None and "token" in info:
-                done.setdefault(r, []).append(info["token"])
     out = []
     for (_, (meta, _info, _values)), data in zip(got, datas, strict=True):
         meta = dict(meta, data=data)
@@ -182,14 +183,15 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
     return out
 
 
-#: sessions whose ranks' memory this process may not read (ptrace rules, containers)
-_NO_VM: weakref.WeakSet[Session] = weakref.WeakSet()
-#: per session and rank, the tokens of transfers read since the last pull
-_READ: weakref.WeakKeyDictionary[Session, dict[int, list[int]]] = weakref.WeakKeyDictionary()
+def receiver(session: Session) -> transfer.Receiver:
+    """The notebook's end of ``session``'s slice transfers (routes offered, segments)."""
+    rx = _RECEIVERS.get(session)
+    if rx is None:
+        rx = _RECEIVERS[session] = transfer.Receiver()
+    return rx
 
 
-def _unpack(info: dict[str, Any] | None, values: Any) -> Any:
-    return None if info is None else transfer.unpack(info, values)
+_RECEIVERS: weakref.WeakKeyDictionary[Session, transfer.Receiver] = weakref.WeakKeyDictionary()
 
 
 def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,

@@ -12,7 +12,6 @@ two cores: slow collectives, so only the core checks run there, marked ``4ranks`
 from __future__ import annotations
 
 import math
-import mmap
 import socket
 import warnings
 from collections.abc import Iterator
@@ -434,35 +433,23 @@ def test_slices_sample_and_zero_copy(s2):
     from mlx_nbdist import models
     from mlx_nbdist.engine import remote, transfer
 
-    # each rank holds what it lent until the notebook says it has read it: here the
-    # sampled pull released the whole one, and only the sample is still held
-    assert s2.apply(transfer.pinned) == {0: 1, 1: 1}
-    # ranks on the notebook's host (Linux): the notebook copies each slice straight
-    # out of the rank's memory into an array of its own; no file, no pickle
-    assert transfer.vm_available()
+    # each rank holds what it lent until the notebook's next request says it is no
+    # longer used: here the sampled pull released the whole one, and only the
+    # sample is still held
+    assert {r: v["pinned"] for r, v in s2.apply(transfer.pool_state).items()} == {0: 1, 1: 1}
+    # ranks on the notebook's host (Linux), slices under POOL_MIN: the notebook
+    # copies each slice straight out of the rank's memory; no file, no pickle
+    assert transfer.vm_available() and models.receiver(s2).routes == ["pool", "vm"]
     host = socket.gethostname()
     for _, (_m, info, values) in s2.apply(
-        remote.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, True
+        remote.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, ("pool", "vm")
     ).items():
-        assert values is None and {"pid", "addr", "nbytes"} <= set(info)
+        assert values is None and info["route"] == "vm" and {"pid", "addr", "nbytes"} <= set(info)
     for sl in whole:
         assert sl.data.base is not None and sl.data.base.flags.owndata  # a uint8 copy, viewed
     assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
     with pytest.raises(OSError, match="reading rank memory"):
         transfer._vm_read(2**22 + 12345, 0x1000, np.empty(8, np.uint8))  # no such process
-    # where the notebook may not read the ranks' memory: shared memory, mapped (not
-    # copied, not pickled), and the shared-memory file is already unlinked
-    models._NO_VM.add(s2)
-    try:
-        shm = mlx_nbdist.slices("zc.layers.0.weight", session=s2)
-    finally:
-        models._NO_VM.discard(s2)
-    for sl, w in zip(shm, whole, strict=True):
-        np.testing.assert_array_equal(sl.data, w.data)
-        owner = buffer_owner(sl.data)
-        assert isinstance(owner, memoryview) and isinstance(owner.obj, mmap.mmap), type(owner)
-        assert not sl.data.flags.owndata
-    assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
     # a rank on another host (no shared memory): 8 KiB arrive as their own zmq frame,
     # not inside the pickle
     for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
@@ -472,6 +459,93 @@ def test_slices_sample_and_zero_copy(s2):
     # in-band, so the check above does tell the two apart
     for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.2.bias", None).items():
         assert isinstance(buffer_owner(values), bytes)
+
+
+def test_slices_shared_memory_pool(s2):
+    """Slices of 1 MiB and more end up in shared-memory segments: the rank copies,
+    the notebook's array is the segment; a segment is reused once no array uses it."""
+    import gc
+
+    from mlx_nbdist import models
+    from mlx_nbdist.engine import transfer
+
+    n = 2**19  # 2 MiB of float32 per rank
+    want = [np.arange(n, dtype=np.float32) + r * n for r in range(2)]
+    s2.run(f"pool = mx.arange({n}, dtype=mx.float32) + rank * {n}\nmx.eval(pool)")
+    s2.run("from mlx_nbdist.engine import transfer as _t")
+
+    def state() -> list[tuple[int, int]]:
+        s2.apply(transfer.settle)  # segments being made in the background
+        return [(v["busy"], v["free"]) for v in s2.apply(transfer.pool_state).values()]
+
+    def pooled(sl: TensorSlice) -> bool:
+        return isinstance(buffer_owner(sl.data), transfer._Lease)
+
+    def files() -> list[Path]:
+        return list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
+
+    # a first pull of a size: no segment fits, so the notebook reads rank memory
+    # while each rank makes one in the background; the next pull uses it
+    first = mlx_nbdist.slices("pool", session=s2)
+    assert not any(map(pooled, first)) and state() == [(0, 1), (0, 1)]
+    second = mlx_nbdist.slices("pool", session=s2)
+    for sl, w in zip(second, want, strict=True):
+        np.testing.assert_array_equal(sl.data, w)
+        assert pooled(sl) and not sl.data.flags.owndata and sl.data.flags.writeable
+    assert state() == [(1, 0), (1, 0)] and not files()  # mapped, and unlinked at once
+    # the rank's value changes; the array the notebook still holds does not
+    s2.run("pool = pool * 2\nmx.eval(pool)")
+    third = mlx_nbdist.slices("pool", session=s2)  # the one segment is busy: vm again
+    s2.apply(transfer.settle)  # (a pull before the new segment is made: vm once more)
+    fourth = mlx_nbdist.slices("pool", session=s2)  # in a second segment
+    for sl, old, w in zip(fourth, second, want, strict=True):
+        np.testing.assert_array_equal(old.data, w)
+        np.testing.assert_array_equal(sl.data, 2 * w)
+        assert pooled(sl) and not np.shares_memory(sl.data, old.data)
+    assert not any(map(pooled, third)) and state() == [(2, 0), (2, 0)]
+    second[0].data[:4] = -1  # a pulled array is the user's to write into
+    view = second[1].data[10:20]  # a view keeps its segment busy
+    del first, second, third, fourth, sl, old
+    gc.collect()
+    fifth = mlx_nbdist.slices("pool", session=s2)  # reuses segments, makes none
+    for sl, w in zip(fifth, want, strict=True):
+        np.testing.assert_array_equal(sl.data, 2 * w)
+        assert pooled(sl)
+    assert float(view[0]) == 10 + n and state() == [(1, 1), (2, 0)]
+    # an idle pool over POOL_IDLE is dropped, on both sides
+    del fifth, sl, view
+    gc.collect()
+    s2.run("_t.POOL_IDLE = 0")
+    try:
+        assert all(map(pooled, mlx_nbdist.slices("pool", session=s2)))
+        assert state() == [(1, 0), (1, 0)]
+        assert len(models.receiver(s2)._segments) == 2  # one mapping per rank
+    finally:
+        s2.run(f"_t.POOL_IDLE = {transfer.POOL_IDLE}")
+    assert not files()
+    # where the notebook may not read rank memory, a first pull makes its segment now
+    rx = models.receiver(s2)
+    rx.routes.remove("vm")
+    try:
+        s2.run("pool8 = mx.ones(2**21)")  # 8 MiB: no segment fits
+        got = mlx_nbdist.slices("pool8", session=s2)
+        assert all(map(pooled, got)) and got[1].data.shape == (2**21,)
+    finally:
+        rx.routes.append("vm")
+    del got
+    # a rank whose /dev/shm refuses a segment keeps to the rank-memory route
+    s2.run("pool16 = mx.ones(2**22)\n_t.SHM_DIR_SAVED = _t.SHM_DIR\n"
+           "_t.SHM_DIR = _t.Path('/nonexistent-dir')")
+    try:
+        for _ in range(2):
+            got = mlx_nbdist.slices("pool16", session=s2)
+            assert not any(map(pooled, got)) and float(got[1].data.sum()) == 2**22
+            state()
+        assert s2.apply(lambda: __import__("mlx_nbdist.engine.transfer").engine.transfer
+                        ._REFUSED[0]) == {0: 16 << 20, 1: 16 << 20}
+    finally:
+        s2.run("_t.SHM_DIR = _t.SHM_DIR_SAVED\n_t._REFUSED[0] = 1 << 62")
+    assert not files()
 
 
 # --------------------------------------------------------------------------- figures

@@ -66,22 +66,24 @@ def slice_of(
     max_elements: int | None,
     shm_prefix: str | None = None,
     client_host: str = "",
-    vm: bool = False,
-    read: dict[int, list[int]] | None = None,
+    routes: tuple[str, ...] = (),
+    held: dict[int, list[int]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None]:
     """This rank's slice of a parameter: (metadata, transfer info, values or None).
 
-    When the notebook runs on this host (``shm_prefix`` given) the values stay here
-    for the notebook to read (``vm``) or go through shared memory; else they travel as
-    an out-of-band ipyparallel buffer (a top-level item of the returned tuple). See
-    :mod:`mlx_nbdist.engine.transfer`. ``read`` holds, per rank, the tokens of earlier
-    ``vm`` transfers the notebook has finished reading.
+    When the notebook runs on this host (``shm_prefix`` given) the values go by one
+    of the local ``routes`` it offers (a shared-memory pool, or its reading this
+    rank's memory); else they travel as an out-of-band ipyparallel buffer (a
+    top-level item of the returned tuple). See :mod:`mlx_nbdist.engine.transfer`.
+    ``held`` lists, per rank, the earlier transfers the notebook still uses; the
+    rest are freed first.
     """
     from .bootstrap import current
     from .slices import local_slice
     from .transfer import pack, release, same_host
 
-    release((read or {}).get(current().rank, []))
+    if held is not None:
+        release(held.get(current().rank, []))
     obj, rest = resolve(expr)
     if not rest:
         import mlx.core as mx
@@ -90,7 +92,7 @@ def slice_of(
             raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
     sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
     prefix = shm_prefix if shm_prefix and same_host(client_host) else None
-    info, values = (None, None) if sl.data is None else pack(sl.data, prefix, vm=vm)
+    info, values = (None, None) if sl.data is None else pack(sl.data, prefix, tuple(routes))
     return sl.metadata(), info, values
 
 
