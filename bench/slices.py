@@ -19,7 +19,7 @@ import numpy as np
 from common import stats, time_it
 
 import mlx_nbdist
-from mlx_nbdist import Session, models
+from mlx_nbdist import Session
 from mlx_nbdist.engine import transfer
 
 MB = 64
@@ -42,7 +42,7 @@ def main() -> dict:
         s.run(f"big = mx.ones(({nbytes // 4},), dtype=mx.float32) * rank\nmx.eval(big)")
         mlx_nbdist.slices("big", session=s)  # a first pull: the ranks make segments
         s.apply(transfer.settle)
-        routes = models.receiver(s).routes
+        routes = s.receiver.routes
         pool, vm = [], []
         for _ in range(REPS):  # the two routes interleaved
             pool.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))

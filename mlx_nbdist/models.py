@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +149,7 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    rx = receiver(s)
+    rx = s.receiver
     with rx.request:  # what the notebook holds must not change while a request is out
         got = sorted(
             s.apply(
@@ -181,17 +180,6 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
         out.append(TensorSlice(**meta))
     return out
-
-
-def receiver(session: Session) -> transfer.Receiver:
-    """The notebook's end of ``session``'s slice transfers (routes offered, segments)."""
-    rx = _RECEIVERS.get(session)
-    if rx is None:
-        rx = _RECEIVERS[session] = transfer.Receiver()
-    return rx
-
-
-_RECEIVERS: weakref.WeakKeyDictionary[Session, transfer.Receiver] = weakref.WeakKeyDictionary()
 
 
 def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,

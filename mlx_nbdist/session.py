@@ -179,6 +179,8 @@ class Session:
         self._started_at = 0.0
         self._cell = 0
         self._procs: dict[int, psutil.Process] = {}
+        #: the notebook's end of slice transfers (see ``mlx_nbdist.slices``)
+        self.receiver = transfer.Receiver()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, progress: Progress | None = None) -> Session:
@@ -570,6 +572,7 @@ class Session:
             self._write_record(stopped=True)
         if self.session_id:
             transfer.discard(self.shm_prefix)  # slices that never reached the notebook
+        self.receiver.close()  # pulled arrays keep their own segments
         self.client = None
         self.cluster = None
         self._procs = {}
@@ -665,6 +668,18 @@ class Session:
             return json.loads((self.directory / f"rank{rank}.json").read_text())
         except (OSError, ValueError):
             return {}
+
+    def published_in(self, cell: int) -> bool:
+        """Whether a rank published progress bars or scalars during ``cell``."""
+        if self.directory is None:
+            return False
+        for r in range(self.n):
+            try:
+                if (self.directory / f"rank{r}.live").read_text() == str(cell):
+                    return True
+            except OSError:
+                continue
+        return False
 
     def kill_ranks(self, ranks: list[int], sig: int) -> None:
         """Signal ranks: by PID when local, through the launcher's ssh (or mpirun) when

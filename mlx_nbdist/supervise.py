@@ -71,6 +71,10 @@ class Policy:
     alive_every: float = 0.2
     #: how often ``on_tick`` is called while a cell runs
     tick: float = 0.25
+    #: after the first rank finished, how long before the others' status files are
+    #: read to see whether they wait in a collective it never issued (replies of a
+    #: cell arrive a fraction of a millisecond apart: reading then only delays them)
+    stragglers_after: float = 0.05
 
 
 class Supervisor:
@@ -90,6 +94,7 @@ class Supervisor:
         self._last_tick = time.monotonic()  # the first tick after one interval
         self.out = Outcome()
         self._failed_at: float | None = None
+        self._finished_at = 0.0  # when the first rank finished (see stragglers_after)
         self._drained = False
         self._alive_at = time.monotonic()  # the session checked them before dispatch
 
@@ -193,8 +198,13 @@ class Supervisor:
             return False
         # Some ranks finished fine, others are still running: only a problem when
         # those are waiting in a collective the finished ones never issued.
-        if not self._errored() and not self._stuck_beyond(pending, finished):
-            return False
+        if not self._errored():
+            now = time.monotonic()
+            self._finished_at = self._finished_at or now
+            if now - self._finished_at < self.policy.stragglers_after:
+                return False
+            if not self._stuck_beyond(pending, finished):
+                return False
         if self._failed_at is None:
             self._failed_at = time.monotonic()
             return False

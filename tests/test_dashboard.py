@@ -175,6 +175,13 @@ def test_live_cell_text_mode_and_silence(session2: Session) -> None:
     with quiet:
         session2.run("x = 1", on_tick=quiet.tick)
     assert shown == [] and quiet.panel is None
+    # a cell over before the first tick still shows its bars once it has ended
+    fast = LiveCell(session2, mode="widget", display=shown.append)
+    with fast:
+        session2.run(PROGRESS_CELL.format(steps=3, pause=0), on_tick=fast.tick)
+    assert fast.ticks == 0 and len(shown) == 1
+    (per_rank,) = fast.panel.values()["bars"].values()
+    assert [(b["n"], b["done"]) for b in per_rank.values()] == [(3, True), (3, True)]
 
 
 # --------------------------------------------------------------------------- dashboard

@@ -430,7 +430,6 @@ def test_slices_sample_and_zero_copy(s2):
         stride = math.ceil(w.shape[0] / sm.data.shape[0])
         np.testing.assert_array_equal(sm.data, w.data[::stride, ::stride])
         assert sm.summary == pytest.approx(w.summary)  # the stats cover the whole slice
-    from mlx_nbdist import models
     from mlx_nbdist.engine import remote, transfer
 
     # each rank holds what it lent until the notebook's next request says it is no
@@ -439,7 +438,7 @@ def test_slices_sample_and_zero_copy(s2):
     assert {r: v["pinned"] for r, v in s2.apply(transfer.pool_state).items()} == {0: 1, 1: 1}
     # ranks on the notebook's host (Linux), slices under POOL_MIN: the notebook
     # copies each slice straight out of the rank's memory; no file, no pickle
-    assert transfer.vm_available() and models.receiver(s2).routes == ["pool", "vm"]
+    assert transfer.vm_available() and s2.receiver.routes == ["pool", "vm"]
     host = socket.gethostname()
     for _, (_m, info, values) in s2.apply(
         remote.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, ("pool", "vm")
@@ -466,7 +465,6 @@ def test_slices_shared_memory_pool(s2):
     the notebook's array is the segment; a segment is reused once no array uses it."""
     import gc
 
-    from mlx_nbdist import models
     from mlx_nbdist.engine import transfer
 
     n = 2**19  # 2 MiB of float32 per rank
@@ -519,12 +517,12 @@ def test_slices_shared_memory_pool(s2):
     try:
         assert all(map(pooled, mlx_nbdist.slices("pool", session=s2)))
         assert state() == [(1, 0), (1, 0)]
-        assert len(models.receiver(s2)._segments) == 2  # one mapping per rank
+        assert len(s2.receiver._segments) == 2  # one mapping per rank
     finally:
         s2.run(f"_t.POOL_IDLE = {transfer.POOL_IDLE}")
     assert not files()
     # where the notebook may not read rank memory, a first pull makes its segment now
-    rx = models.receiver(s2)
+    rx = s2.receiver
     rx.routes.remove("vm")
     try:
         s2.run("pool8 = mx.ones(2**21)")  # 8 MiB: no segment fits

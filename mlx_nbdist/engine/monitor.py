@@ -73,6 +73,7 @@ class Monitor:
         }
         self._watch: str | None = None
         self._model_at = 0.0
+        self._marked = 0  # the last cell noted in the ``.live`` file (see _mark_live)
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
         self._stop = False
@@ -114,6 +115,7 @@ class Monitor:
             while len(bars) > MAX_BARS:
                 done = [k for k, v in bars.items() if v.get("done")]
                 del bars[(done or list(bars))[0]]
+        self._mark_live(int(value.get("cell") or self.state.get("cell", 0)))
 
     def add_scalars(self, values: dict[str, float], step: int | None = None) -> None:
         """Append one point per name to the streamed scalars (``[step, value, cell]``)."""
@@ -126,6 +128,18 @@ class Monitor:
                 points.append([x, float(value), cell])
                 if len(points) > MAX_POINTS:
                     del points[::2]
+        self._mark_live(cell)
+
+    def _mark_live(self, cell: int) -> None:
+        """Note, once per cell, that it published bars or scalars: the notebook reads
+        this small file, not the whole state, to decide whether a finished cell
+        needs a last progress display."""
+        if cell != self._marked:
+            self._marked = cell
+            try:
+                self.path.with_suffix(".live").write_text(str(cell))
+            except OSError:
+                pass
 
     def clear_scalars(self) -> None:
         with self._lock:

@@ -266,6 +266,12 @@ class Receiver:
         self._segments: dict[tuple[int, int], np.ndarray] = {}  # (pid, token) -> mapping
         self._live: dict[int, tuple[int, set[int]]] = {}  # rank -> (pid, tokens in use)
 
+    def close(self) -> None:
+        """Let go of every mapping (the ranks are gone); arrays keep their own."""
+        with self._lock:
+            self._segments.clear()
+            self._live.clear()
+
     def held(self) -> dict[int, list[int]]:
         """Per rank, the tokens of segments that arrays here still use."""
         with self._lock:

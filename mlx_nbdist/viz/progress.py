@@ -357,6 +357,8 @@ class LiveCell:
             t_end = time.monotonic() + 1.0
             while time.monotonic() < t_end and not self._all_done():
                 time.sleep(0.1)
+        elif not self.session.published_in(self._cell()):
+            return  # nothing shown, and no bar or scalar to show
         self._refresh(final=True)
 
     def _records(self) -> dict[int, dict[str, Any]]:
