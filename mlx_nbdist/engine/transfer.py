@@ -175,9 +175,11 @@ def _lease(prefix: str, nbytes: int, *, wait: bool) -> _Segment | None:
 
 
 def _make(prefix: str, size: int, busy: bool, delay: float = 0.0) -> _Segment | None:
+    """A new segment, added to the pool (``None``: ``/dev/shm`` refused it)."""
     time.sleep(delay)
     token = next(_counter)
     path = SHM_DIR / f"{prefix}-{os.getpid()}-{token}"
+    mm = None
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -187,14 +189,12 @@ def _make(prefix: str, size: int, busy: bool, delay: float = 0.0) -> _Segment | 
             os.close(fd)
     except OSError:
         path.unlink(missing_ok=True)
-        with _LOCK:
-            _REFUSED[0] = min(_REFUSED[0], size)
-            _MAKING.pop(size, None)
-        return None
-    seg = _Segment(token, path, size, mm, busy)
     with _LOCK:
-        _POOL[token] = seg
         _MAKING.pop(size, None)
+        if mm is None:
+            _REFUSED[0] = min(_REFUSED[0], size)
+            return None
+        seg = _POOL[token] = _Segment(token, path, size, mm, busy)
         _trim()
     return seg
 
