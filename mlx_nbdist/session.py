@@ -661,21 +661,23 @@ class Session:
             return False
 
     def rank_record(self, rank: int) -> dict[str, Any]:
-        place = self.places.get(rank)
-        if place is not None and not place.shared_files:
-            return {}  # its status file is on its own host: not readable from here
         try:
-            return json.loads((self.directory / f"rank{rank}.json").read_text())
+            return json.loads(self._rank_file(rank, "json"))
         except (OSError, ValueError):
             return {}
 
+    def _rank_file(self, rank: int, ext: str) -> str:
+        """The text of a rank's file in the session directory (status, ``.live`` note)."""
+        place = self.places.get(rank)
+        if self.directory is None or (place is not None and not place.shared_files):
+            raise FileNotFoundError(f"rank {rank}'s files are not readable from here")
+        return (self.directory / f"rank{rank}.{ext}").read_text()
+
     def published_in(self, cell: int) -> bool:
         """Whether a rank published progress bars or scalars during ``cell``."""
-        if self.directory is None:
-            return False
         for r in range(self.n):
             try:
-                if (self.directory / f"rank{r}.live").read_text() == str(cell):
+                if self._rank_file(r, "live") == str(cell):
                     return True
             except OSError:
                 continue
