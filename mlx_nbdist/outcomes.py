@@ -3,12 +3,16 @@ and the typed error a failed cell raises."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from .errors import CellError, CellInterrupted, CollectiveTimeout
 from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
 from .supervise import Outcome, error_of
+
+#: the key under which a rank publishes its cell's ledger (engine.bootstrap.end_cell)
+LEDGER_KEY = "mlx_nbdist.ledger"
 
 
 def collect(
@@ -40,14 +44,114 @@ def collect(
     return CellResult(cell=cell, ranks=outs, elapsed=elapsed, valid=outcome.valid)
 
 
+def ledgers_of(futures: dict[int, Any]) -> dict[int, dict[str, Any]]:
+    """Each rank's ledger of the cell (ranks that issued no collective have none)."""
+    out = {}
+    for r, fut in futures.items():
+        try:
+            led = (fut.output.metadata["data"] or {}).get(LEDGER_KEY)
+        except Exception:  # noqa: BLE001 - no output metadata: no ledger
+            led = None
+        if led:
+            out[r] = led
+    return out
+
+
+@dataclass
+class LedgerCheck:
+    """What comparing the ranks' ledgers of one cell found."""
+
+    #: messages sent to a rank that it never received: ``{receiver: [message, ...]}``
+    unmatched: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: why the cell's values cannot be trusted, one line each
+    problems: list[str] = field(default_factory=list)
+
+
+def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int) -> LedgerCheck:
+    """Compare what the ranks issued in one cell (see ``Tracker.ledger``).
+
+    The ranks that ran the cell must have issued the same collectives (same ops,
+    shapes, dtypes, in the same order), and every message sent must have been
+    received by its peer with the same size. A sent message nobody received is
+    listed so the receiver can drop it before it reaches a later cell.
+    """
+    out = LedgerCheck()
+    digests = {r: (ledgers.get(r) or {}).get("digest", _NONE) for r in ran}
+    if len(set(digests.values())) > 1:
+        counts = ", ".join(f"rank {r}: {_collectives(ledgers.get(r))}" for r in sorted(digests))
+        out.problems.append(
+            f"the ranks issued different collectives in this cell ({counts}); a collective "
+            "paired with a different one on another rank gives wrong values. All ranks must "
+            "issue the same collectives, with the same shapes and dtypes, in the same order."
+        )
+    for src in range(size):
+        sent = (ledgers.get(src) or {}).get("sent", {})
+        for dst_key, msgs in sent.items():
+            dst = int(dst_key)
+            got = (ledgers.get(dst) or {}).get("recvd", {}).get(str(src), [])
+            _compare_messages(out, src, dst, msgs, got)
+    for dst in range(size):
+        for src_key, got in (ledgers.get(dst) or {}).get("recvd", {}).items():
+            src = int(src_key)
+            if str(dst) not in (ledgers.get(src) or {}).get("sent", {}) and got:
+                _compare_messages(out, src, dst, [], got)
+    return out
+
+
+_NONE = "none"
+
+
+def _collectives(ledger: dict[str, Any] | None) -> str:
+    if not ledger:
+        return "none"
+    n = int(ledger.get("n", 0)) - sum(
+        len(v) for key in ("sent", "recvd") for v in ledger.get(key, {}).values()
+    )
+    return f"{n} collective{'s' if n != 1 else ''}"
+
+
+def _compare_messages(
+    out: LedgerCheck, src: int, dst: int, sent: list[list[Any]], got: list[list[Any]]
+) -> None:
+    for i, (s, g) in enumerate(zip(sent, got, strict=False)):
+        if s[0] != g[0]:
+            out.problems.append(
+                f"message {i + 1} from rank {src} to rank {dst}: {s[0]} bytes sent "
+                f"({s[1]} {tuple(s[2])}) but {g[0]} received ({g[1]} {tuple(g[2])}); "
+                "the receiver read wrong data"
+            )
+            return
+    if len(sent) > len(got):
+        extra = sent[len(got) :]
+        out.unmatched.setdefault(dst, []).extend(
+            {"src": src, "shape": m[2], "dtype": m[1]} for m in extra
+        )
+        out.problems.append(
+            f"rank {src} sent {len(extra)} message(s) to rank {dst} that rank {dst} never "
+            f"received ({', '.join(f'{m[1]} {tuple(m[2])}' for m in extra)}); they were "
+            "received and dropped so that no later cell reads them"
+        )
+    elif len(got) > len(sent):
+        out.problems.append(
+            f"rank {dst} received {len(got)} message(s) from rank {src}, which sent "
+            f"{len(sent)} in this cell: the extra data came from an earlier cell, and the "
+            "values that used it are wrong"
+        )
+
+
 def _seconds(start: Any, end: Any) -> float | None:
     if not start or not end:
         return None
-    start, end = (datetime.fromisoformat(t) if isinstance(t, str) else t for t in (start, end))
+    start, end = (_parse_time(t) if isinstance(t, str) else t for t in (start, end))
     try:
         return (end - start).total_seconds()
     except TypeError:  # one naive, one aware
         return None
+
+
+def _parse_time(text: str) -> datetime:
+    """ISO 8601 with a trailing ``Z`` (only Python 3.11 parses that itself)."""
+    return datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
 
 
 def _wait_output(fut: Any, timeout: float = 2.0) -> None:
@@ -67,9 +171,18 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
         lines = [str(x) for x in tb]
     else:
         lines = []
-    cause = DIED if ename in ("EngineError",) else ERROR
+    if ename == "EngineError":  # ipyparallel's own traceback says nothing about the rank
+        return RankFailure(
+            rank=rank, cause=DIED, ename=ename, evalue="its engine stopped answering"
+        )
+    if not ename or ename == "None":
+        # IPython reports some errors outside the user's code (a failing display
+        # formatter, a broken output hook) with no exception name
+        ename = "Error"
+        if not evalue or evalue == "None":
+            evalue = "the rank reported an error outside the cell's code (no exception name)"
     return RankFailure(
-        rank=rank, cause=cause, ename=ename, evalue=evalue, traceback=_trim_internal(lines)
+        rank=rank, cause=ERROR, ename=ename, evalue=evalue, traceback=_trim_internal(lines)
     )
 
 
@@ -89,9 +202,12 @@ def _trim_internal(lines: list[str]) -> list[str]:
 
 
 def raise_for(result: CellResult, outcome: Outcome, timeout: float | None, notes: str = "") -> None:
-    if result.ok:
+    result.valid = result.valid and outcome.valid
+    if result.ok and not outcome.problem and not outcome.broken:
         return
     summary = outcome.summary
+    if outcome.problem:
+        summary = (outcome.problem + "\n" + summary).strip()
     if notes:
         summary = (summary + "\n" if summary else "") + notes
     if outcome.broken:

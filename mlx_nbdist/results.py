@@ -23,6 +23,8 @@ KILLED = "killed"
 #: The rank was stuck in a collective and was released by replaying it on its peers;
 #: it finished, but the values it computed in this cell are not meaningful.
 DRAINED = "drained"
+#: The rank's process was paused (SIGSTOP, a debugger) until the controller dropped it.
+PAUSED = "paused"
 
 
 @dataclass
@@ -38,6 +40,8 @@ class CollectiveRecord:
         peer: the other rank for ``send``/``recv``, else ``None``.
         nbytes: bytes of the local input.
         cell: the cell number in which it was issued.
+        index: 1-based position among the collectives this rank issued in that cell.
+        check: issued by ``--check-collectives`` to compare signatures (not user code).
     """
 
     seq: int
@@ -47,10 +51,13 @@ class CollectiveRecord:
     peer: int | None = None
     nbytes: int = 0
     cell: int = 0
+    index: int = 0
+    check: bool = False
 
     def describe(self) -> str:
         peer = f" peer={self.peer}" if self.peer is not None else ""
-        return f"#{self.seq} {self.op}{peer} shape={tuple(self.shape)} dtype={self.dtype}"
+        what = " (--check-collectives signature)" if self.check else ""
+        return f"#{self.seq} {self.op}{peer} shape={tuple(self.shape)} dtype={self.dtype}{what}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CollectiveRecord:
@@ -63,7 +70,7 @@ class RankFailure:
     """Why one rank did not finish a cell normally."""
 
     rank: int
-    cause: str  # one of ERROR, DIED, KILLED, DRAINED
+    cause: str  # one of ERROR, DIED, KILLED, DRAINED, PAUSED
     ename: str = ""
     evalue: str = ""
     traceback: list[str] = field(default_factory=list)
@@ -75,6 +82,8 @@ class RankFailure:
             return f"[rank {self.rank}] {self.ename}: {self.evalue}"
         if self.cause == DIED:
             return f"[rank {self.rank}] engine process died ({self.evalue or 'no exit status'})"
+        if self.cause == PAUSED:
+            return f"[rank {self.rank}] was paused: {self.evalue}"
         where = f" in {self.pending[-1].describe()}" if self.pending else ""
         if self.cause == DRAINED:
             return f"[rank {self.rank}] was stuck{where}; released by replaying it on its peers"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import secrets
 import signal
@@ -24,6 +25,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,10 @@ from .errors import (
     SetupError,
     StartError,
 )
-from .outcomes import collect, raise_for, short_error
+from .outcomes import check_ledgers, collect, ledgers_of, raise_for, short_error
 from .results import (
     DIED,
+    PAUSED,
     CellResult,
     CollectiveRecord,
     RankInfo,
@@ -49,8 +52,28 @@ from .results import (
 )
 from .supervise import Outcome, Policy, Supervisor, failed
 
-STOPPED, STARTING, READY, BROKEN = "stopped", "starting", "ready", "broken"
+
+class SessionState(str, Enum):
+    """The one state of a session; compares equal to its value (``"ready"``)."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STOPPED, STARTING, READY, BROKEN = (
+    SessionState.STOPPED,
+    SessionState.STARTING,
+    SessionState.READY,
+    SessionState.BROKEN,
+)
 Progress = Callable[[str], None]
+#: ``timeout=DEFAULT``: the session's own deadline
+DEFAULT: Any = type("Default", (), {"__repr__": lambda self: "DEFAULT"})()
 
 
 class OversubscribedWarning(UserWarning):
@@ -158,7 +181,7 @@ class Session:
         self.launcher = launcher or (
             "mpi" if backend == "mpi" else ("ssh" if self.placement is not None else "local")
         )
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
         self.start_timeout = start_timeout
         self.check_collectives = check_collectives
         self.controller_ip_requested = controller_ip
@@ -168,7 +191,10 @@ class Session:
         self.python = python
         self.assume_remote = assume_remote
         self.policy = Policy()
-        self.state = STOPPED
+        self._state = STOPPED
+        #: one cell, apply or push at a time: a second caller (another thread, a
+        #: kernel subshell) waits, so two cells' collectives never interleave
+        self._run_lock = threading.RLock()
         self.broken_reason = ""
         self.session_id = ""
         self.directory: Path | None = None
@@ -179,14 +205,25 @@ class Session:
         self._started_at = 0.0
         self._cell = 0
         self._procs: dict[int, psutil.Process] = {}
+        #: the controller and its schedulers, watched while cells run
+        self._infra: dict[str, psutil.Process] = {}
         #: the notebook's end of slice transfers (see ``mlx_nbdist.slices``)
         self.receiver = transfer.Receiver()
 
     # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def state(self) -> SessionState:
+        """``stopped`` -> ``starting`` -> ``ready`` (-> ``broken``) -> ``stopped``."""
+        return self._state
+
     def start(self, progress: Progress | None = None) -> Session:
-        """Start the controller and engines, join them in one MLX group, and check it."""
+        """Start the controller and engines, join them in one MLX group, and check it.
+
+        On a session already started this does nothing (a broken one stays broken:
+        :meth:`restart` replaces it).
+        """
         say = progress or (lambda msg: None)
-        if self.state in (READY, BROKEN):
+        if self._state in (READY, BROKEN):
             return self
         if self.placement is not None and self.placement.n != self.n:
             # ``n`` changed since (``%mlxdist restart -n``): place the new count
@@ -200,14 +237,17 @@ class Session:
                 OversubscribedWarning,
                 stacklevel=2,
             )
-        self.state = STARTING
-        try:
-            self._launch(say)
-        except BaseException:
-            self._teardown()
-            self.state = STOPPED
-            raise
-        self.state = READY
+        with self._run_lock:
+            self._state = STARTING
+            try:
+                self._launch(say)
+            except BaseException:
+                try:
+                    self._teardown()
+                finally:
+                    self._state = STOPPED
+                raise
+            self._state = READY
         self._started_at = time.time()
         _LIVE.add(self)
         return self
@@ -394,6 +434,7 @@ class Session:
             raise StartError(f"ranks {sorted(infos)} do not cover 0..{self.n - 1}")
         self.ranks = dict(sorted(infos.items()))
         self.places = dict(sorted(places.items()))
+        self._watch_infrastructure()
         self._procs = {}
         for r, info in self.ranks.items():
             if not self.places[r].local:
@@ -402,6 +443,21 @@ class Session:
                 self._procs[r] = psutil.Process(info.pid)
             except psutil.Error as e:
                 raise StartError(f"rank {r} (pid {info.pid}) exited right after joining") from e
+
+    def _watch_infrastructure(self) -> None:
+        """Remember the controller and the schedulers it forked: cells check they
+        still run, and stop ends them even if the controller died first."""
+        self._infra = {}
+        cpid = self._controller_pid()
+        try:
+            controller = psutil.Process(cpid) if cpid else None
+        except psutil.Error:
+            controller = None
+        if controller is None:
+            return
+        self._infra["controller"] = controller
+        for i, child in enumerate(controller.children(recursive=True)):
+            self._infra[f"controller's scheduler #{i + 1}"] = child
 
     def _where(self, eid: int, place: RankPlace | None = None) -> str:
         return f"engine {eid}" + (f" on {place.describe()}" if place else "")
@@ -531,12 +587,18 @@ class Session:
         raise StartError("could not find distinct free ports for the ring endpoints")
 
     def stop(self) -> None:
-        """Stop the engines and controller; leaves no process or port behind."""
-        if self.state == STOPPED and self.cluster is None:
+        """Stop the engines and controller; leaves no process or port behind.
+
+        Safe from another thread while a cell runs (that cell then fails), and a
+        second Ctrl-C while stopping does not leave it half done.
+        """
+        if self._state == STOPPED and self.cluster is None:
             return
-        self._teardown()
-        self.state = STOPPED
-        _LIVE.discard(self)
+        try:
+            self._teardown()
+        finally:
+            self._state = STOPPED
+            _LIVE.discard(self)
 
     def restart(self, progress: Progress | None = None) -> Session:
         """New engines, same N, backend and launcher; rank r is still rank r."""
@@ -553,12 +615,15 @@ class Session:
             pids = self._recorded_pids()
             cpid = self._controller_pid()
             c_started = next((t for p, t in pids if p == cpid), None)
-            if self.state == BROKEN and self.ranks:
+            if self._state == BROKEN and self.ranks:
                 # ranks stuck in a collective ignore SIGTERM: spare the launchers'
                 # grace period (5 s per engine over ssh) and end them now
                 self.kill_ranks(list(self.ranks), signal.SIGKILL)
+            interrupted = None
             try:
                 self.cluster.stop_cluster_sync()
+            except KeyboardInterrupt as e:  # end the processes all the same, then raise
+                interrupted = e
             except Exception:  # noqa: BLE001 - fall through to ending the PIDs
                 pass
             processes.end_pids(pids)
@@ -568,6 +633,12 @@ class Session:
                 processes.end_pids(
                     processes.group_members(cpid, c_started, "ipyparallel.controller")
                 )
+            if interrupted is not None:
+                self._forget_processes()
+                raise interrupted
+        self._forget_processes()
+
+    def _forget_processes(self) -> None:
         if self.directory is not None:
             self._write_record(stopped=True)
         if self.session_id:
@@ -576,6 +647,7 @@ class Session:
         self.client = None
         self.cluster = None
         self._procs = {}
+        self._infra = {}
 
     @property
     def shm_prefix(self) -> str:
@@ -609,13 +681,13 @@ class Session:
                 p = getattr(getattr(es, "process", None), "pid", None)
                 if p:
                     pids.append(p)
-        out = []
+        out = [(p.pid, p.create_time()) for p in self._infra.values() if _running(p)]
         for pid in dict.fromkeys(pids):
             try:
                 out.append((pid, psutil.Process(pid).create_time()))
             except psutil.Error:
                 pass
-        return out
+        return list(dict.fromkeys(out))
 
     def _write_record(self, stopped: bool = False) -> None:
         rec = {
@@ -625,7 +697,7 @@ class Session:
             "n": self.n,
             "backend": self.backend,
             "launcher": self.launcher,
-            "state": STOPPED if stopped else self.state,
+            "state": str(STOPPED if stopped else self._state),
             "pids": [] if stopped else self._recorded_pids(),
             "controller_ip": self.controller_ip,
             # ranks on other machines: cleanup cannot end them by PID from here
@@ -721,32 +793,124 @@ class Session:
             t.join(max(0.0, t_end - time.monotonic()))
 
     def drain_ranks(
-        self, ranks: list[int], records: list[dict[str, Any]], timeout: float
-    ) -> dict[int, list[str]]:
+        self, plan: dict[int, list[dict[str, Any]]], timeout: float
+    ) -> tuple[dict[int, list[str]], list[int]]:
+        """Replay ``plan[r]`` on each rank ``r``; returns the lines each replayed and
+        the ranks whose replay did not complete in ``timeout`` (still blocked in it)."""
         ars = {}
         done: dict[int, list[str]] = {}
-        for r in ranks:
+        blocked: list[int] = []
+        for r, records in plan.items():
             try:
                 ars[r] = self.client[self.ranks[r].engine_id].apply_async(_bootstrap.drain, records)
             except Exception as e:  # noqa: BLE001 - e.g. its engine was unregistered
                 self.last_drain_error = f"rank {r}: {short_error(e)}"
-                done[r] = []
+                blocked.append(r)
         t_end = time.monotonic() + timeout
         for r, ar in ars.items():
             try:
                 done[r] = ar.get(timeout=max(0.05, t_end - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - a drain that fails falls back to ending ranks
                 self.last_drain_error = f"rank {r}: {short_error(e)}"
-                done[r] = []
-        return {r: lines for r, lines in done.items() if lines}
+                blocked.append(r)
+        return {r: lines for r, lines in done.items() if lines}, sorted(blocked)
+
+    def align_ranks(self, timeout: float) -> str:
+        """Prove every rank's message streams are in step (a fresh nonce gathered by
+        every rank); returns ``""`` when they are, else why not (the session's caller
+        then marks the group broken). A rank that does not answer is ended."""
+        nonce = secrets.randbits(60)
+        ars, problems = {}, []
+        for r in self.ranks:
+            try:
+                ars[r] = self.client[self.ranks[r].engine_id].apply_async(_bootstrap.align, nonce)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"rank {r}: {short_error(e)}")
+        t_end = time.monotonic() + timeout
+        silent = []
+        for r, ar in ars.items():
+            try:
+                got = ar.get(timeout=max(0.05, t_end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001
+                if not ar.done():
+                    silent.append(r)
+                else:
+                    problems.append(f"rank {r}: {short_error(e)}")
+                continue
+            if got["bad"]:
+                problems.append(f"rank {r} read wrong data from ranks {got['bad']}")
+        if silent:
+            problems.append(f"ranks {silent} did not answer within {timeout:g} s")
+            self.kill_ranks(silent, signal.SIGKILL)
+        if not problems:
+            return ""
+        return (
+            "the group's message streams are out of step after this cell ("
+            + "; ".join(problems)
+            + ")"
+        )
+
+    def receive_unmatched(self, pending: dict[int, list[dict[str, Any]]], timeout: float) -> str:
+        """Have each rank receive (and drop) the messages sent to it in the last cell
+        that it never received; returns ``""`` or why that failed."""
+        ars = {
+            r: self.client[self.ranks[r].engine_id].apply_async(_bootstrap.receive_unmatched, msgs)
+            for r, msgs in pending.items()
+        }
+        t_end = time.monotonic() + timeout
+        bad = []
+        for r, ar in ars.items():
+            try:
+                ar.get(timeout=max(0.05, t_end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001
+                bad.append(f"rank {r}: {short_error(e)}")
+                if not ar.done():
+                    self.kill_ranks([r], signal.SIGKILL)
+        return "; ".join(bad)
+
+    def infrastructure_problem(self) -> str:
+        """Why results can no longer reach the notebook: the controller or one of its
+        schedulers exited (``""`` when all run)."""
+        for what, p in self._infra.items():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                pass
+            return f"the ipyparallel {what} (pid {p.pid}) exited; results cannot reach the notebook"
+        return ""
+
+    def rank_paused(self, rank: int) -> bool:
+        """Its process is stopped (SIGSTOP, a debugger): alive, but runs nothing."""
+        p = self._procs.get(rank)
+        try:
+            return p is not None and p.status() in (psutil.STATUS_STOPPED, "tracing-stop")
+        except psutil.Error:
+            return False
+
+    def rank_exit(self, rank: int) -> str:
+        """How a local rank's process ended (exit code or signal), when its launcher
+        started it as this process's child; ``""`` when unknown."""
+        pid = self.ranks[rank].pid if rank in self.ranks else None
+        for es in self.cluster.engines.values() if self.cluster is not None else []:
+            for lnch in getattr(es, "launchers", {}).values():
+                proc = getattr(lnch, "process", None)
+                if proc is None or getattr(proc, "pid", None) != pid:
+                    continue
+                try:
+                    code = proc.wait(timeout=0.5)
+                except Exception:  # noqa: BLE001 - still running, or not a Popen
+                    return ""
+                return _describe_exit(code)
+        return ""
 
     # -- running code ------------------------------------------------------------------
     def _require(self) -> None:
-        if self.state == STOPPED or self.client is None:
+        if self._state == STOPPED or self.client is None:
             raise NotStartedError("no session is running: start one with %mlxdist start -n N")
-        if self.state == READY:
+        if self._state == READY:
             self._check_alive()
-        if self.state == BROKEN:
+        if self._state == BROKEN:
             raise SessionBrokenError(
                 f"the MLX group is broken ({self.broken_reason}); "
                 "run %mlxdist restart (or Session.restart()) to get new engines"
@@ -754,13 +918,21 @@ class Session:
 
     def _check_alive(self) -> None:
         """Mark the session broken when a rank's engine went away between cells
-        (killed from outside, out of memory): its group can no longer form."""
+        (killed from outside, out of memory), or the controller did: its group can no
+        longer form."""
         dead = [r for r in self.ranks if not self.rank_alive(r)]
         if dead:
-            self.state = BROKEN
-            self.broken_reason = ", ".join(
-                f"rank {r} (pid {self.ranks[r].pid}) exited since the last cell" for r in dead
+            self._break(
+                ", ".join(
+                    f"rank {r} (pid {self.ranks[r].pid}) exited since the last cell"
+                    + (f" ({how})" if (how := self.rank_exit(r)) else "")
+                    for r in dead
+                )
             )
+            return
+        problem = self.infrastructure_problem()
+        if problem:
+            self._break(problem)
 
     def resolve_ranks(self, ranks: Iterable[int] | None) -> list[int]:
         """Validate a rank subset (``None``: every rank)."""
@@ -780,94 +952,142 @@ class Session:
     def _view(self, ranks: list[int]) -> Any:
         return self.client[[self.ranks[r].engine_id for r in ranks]]
 
-    def _supervise(
+    def _deadline(self, timeout: Any) -> float | None:
+        """The cell's deadline: the session's for ``DEFAULT``; refuses nonsense."""
+        return self.timeout if timeout is DEFAULT else _check_timeout(timeout)
+
+    def _dispatch(
         self,
-        futures: dict[int, Any],
+        targets: list[int],
+        send: Callable[[Any, dict[str, Any]], Any],
+        meta: dict[str, Any],
         timeout: float | None,
         on_tick: Callable[[], None] | None = None,
-    ) -> Outcome:
+    ) -> tuple[dict[int, Any], CellResult, Outcome]:
+        """Send one cell or apply to ``targets`` and supervise it to the end: the one
+        path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says."""
+        self._cell += 1
+        meta = {**meta, "cell": self._cell, "ranks": targets}
+        t0 = time.monotonic()
+        ar = send(self._view(targets), meta)
+        futures = dict(zip(targets, ar._children, strict=True))
         policy = Policy(**{**asdict(self.policy), "timeout": timeout})
-        outcome = Supervisor(self, futures, policy, on_tick).wait()
+        outcome = Supervisor(self, futures, policy, on_tick, cell=self._cell).wait()
+        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
+        self._settle_group(result, outcome, futures)
+        self._forget(ar)
+        raise_for(result, outcome, timeout, self._host_notes(result, outcome))
+        return futures, result, outcome
+
+    def _settle_group(self, result: CellResult, outcome: Outcome, futures: dict[int, Any]) -> None:
+        """After a cell: a rank that died breaks the group; the ranks' ledgers must
+        agree (unmatched messages are received and dropped); after a drain, a stop
+        or a disagreement, the group must prove it is in step, or it is broken."""
+        gone = [f.rank for f in result.failures if f.cause in (DIED, PAUSED)]
+        if gone and not outcome.broken:
+            outcome.broken = f"rank {', '.join(map(str, gone))} died"
+        if not outcome.broken and not outcome.needs_alignment:
+            check = check_ledgers(ledgers_of(futures), list(futures), self.n)
+            if check.unmatched:
+                why = self.receive_unmatched(check.unmatched, self.policy.drain_timeout)
+                if why:
+                    outcome.broken = f"unreceived messages could not be dropped ({why})"
+            if check.problems:
+                outcome.problem = "\n".join(check.problems)
+                outcome.valid = False
+                outcome.needs_alignment = True
+        if outcome.needs_alignment and not outcome.broken:
+            problem = self.align_ranks(self.policy.align_timeout)
+            if problem:
+                outcome.broken = problem
+                outcome.valid = False
+            else:
+                outcome.summary = (
+                    outcome.summary + "\nThe group was checked afterwards and is in step: "
+                    "the session is still usable."
+                ).strip()
         if outcome.broken:
-            self.state = BROKEN
-            self.broken_reason = outcome.broken
-        return outcome
+            self._break(outcome.broken)
+
+    def _break(self, reason: str) -> None:
+        if self._state in (READY, BROKEN):
+            if self._state == READY:
+                self.broken_reason = reason
+            self._state = BROKEN
 
     def run(
         self,
         code: str,
         *,
         ranks: Iterable[int] | None = None,
-        timeout: float | None = -1,
+        timeout: Any = DEFAULT,
         check_collectives: bool | None = None,
         on_tick: Callable[[], None] | None = None,
     ) -> CellResult:
         """Run ``code`` as a cell on the ranks (default all) and collect their output.
 
+        One cell runs at a time: a call from another thread waits for the running one.
+
         Args:
             code: the cell's source.
             ranks: run on these ranks only; a collective over the whole group from a
                 subset is refused on the ranks rather than left to hang.
-            timeout: deadline in seconds; ``-1`` uses the session default, ``None``
-                means none.
+            timeout: deadline in seconds (a positive number); ``None`` means none;
+                default: the session's.
             check_collectives: compare op/shape/dtype across ranks before each
                 collective (default: the session's setting).
             on_tick: called about every 0.25 s while the cell runs (live displays
                 read :meth:`rank_states` from it).
 
         Raises:
-            CellError: a rank raised, died, or was drained (``err.result`` holds every
-                rank's output); ``CollectiveTimeout`` at the deadline and
-                ``CellInterrupted`` on interrupt are subclasses.
+            CellError: a rank raised, died, or was drained, or the ranks' collectives
+                did not match (``err.result`` holds every rank's output);
+                ``CollectiveTimeout`` at the deadline and ``CellInterrupted`` on
+                interrupt are subclasses.
+            ValueError: a bad ``timeout`` or ``ranks``.
         """
-        self._require()
-        targets = self.resolve_ranks(ranks)
-        timeout = self.timeout if timeout == -1 else timeout
+        deadline = self._deadline(timeout)
         check = self.check_collectives if check_collectives is None else check_collectives
-        self._cell += 1
-        meta = {"mlxdist": 1, "cell": self._cell, "ranks": targets, "check": bool(check)}
-        t0 = time.monotonic()
-        # the cell's metadata travels as the request's label: one message per rank
-        ar = self._view(targets).execute(code, silent=False, block=False, label=json.dumps(meta))
-        futures = dict(zip(targets, ar._children, strict=True))
-        outcome = self._supervise(futures, timeout, on_tick)
-        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
-        self._forget(ar)
-        raise_for(result, outcome, timeout, self._host_notes(result, outcome))
-        return result
+        with self._run_lock:
+            self._require()
+            targets = self.resolve_ranks(ranks)
+
+            def send(view: Any, meta: dict[str, Any]) -> Any:
+                # the cell's metadata travels as the request's label: one message per rank
+                return view.execute(code, silent=False, block=False, label=json.dumps(meta))
+
+            meta = {"mlxdist": 1, "check": bool(check)}
+            _, result, _ = self._dispatch(targets, send, meta, deadline, on_tick)
+            return result
 
     def apply(
         self,
         fn: Callable[..., Any],
         *args: Any,
         ranks: Iterable[int] | None = None,
-        timeout: float | None = -1,
+        timeout: Any = DEFAULT,
         **kwargs: Any,
     ) -> dict[int, Any]:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns ``{rank: value}``.
 
         ``fn`` is sent by reference when importable, else pickled; inside it the
         rank's names are available through ``mlx_nbdist.engine.bootstrap.current()``.
-        Supervised like :meth:`run`.
+        Supervised and serialised like :meth:`run`.
         """
-        self._require()
-        targets = self.resolve_ranks(ranks)
-        timeout = self.timeout if timeout == -1 else timeout
-        self._cell += 1
-        meta = {"cell": self._cell, "ranks": targets}
-        t0 = time.monotonic()
-        ar = self._view(targets).apply_async(_bootstrap.call, meta, fn, *args, **kwargs)
-        futures = dict(zip(targets, ar._children, strict=True))
-        outcome = self._supervise(futures, timeout)
-        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
-        values = {
-            r: f.result()
-            for r, f in futures.items()
-            if r not in outcome.failures and not failed(f)
-        }
-        self._forget(ar)
-        raise_for(result, outcome, timeout, self._host_notes(result, outcome))
-        return values
+        deadline = self._deadline(timeout)
+        with self._run_lock:
+            self._require()
+            targets = self.resolve_ranks(ranks)
+
+            def send(view: Any, meta: dict[str, Any]) -> Any:
+                return view.apply_async(_bootstrap.call, meta, fn, *args, **kwargs)
+
+            futures, _, outcome = self._dispatch(targets, send, {}, deadline)
+            return {
+                r: f.result()
+                for r, f in futures.items()
+                if r not in outcome.failures and not failed(f)
+            }
 
     def _host_notes(self, result: CellResult, outcome: Outcome) -> str:
         """For a multi-host session: which host each failed rank is on, which hosts
@@ -930,8 +1150,9 @@ class Session:
 
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Define names in each rank's namespace."""
-        self._require()
-        self._view(self.resolve_ranks(ranks)).push(namespace, block=True)
+        with self._run_lock:
+            self._require()
+            self._view(self.resolve_ranks(ranks)).push(namespace, block=True)
 
     # -- inspection ----------------------------------------------------------------------
     def rank_states(self) -> dict[int, RankState]:
@@ -941,9 +1162,9 @@ class Session:
             d = self.rank_record(r) if self.directory else {}
             st = RankState(rank=r, **{k: v for k, v in d.items() if k in _STATE_KEYS})
             st.recent = [CollectiveRecord.from_dict(x) for x in d.get("recent", [])]
-            if self.state in (READY, BROKEN) and r in self.ranks and not self.rank_alive(r):
+            if self._state in (READY, BROKEN) and r in self.ranks and not self.rank_alive(r):
                 st.state = "dead"
-            elif self.state == BROKEN and st.state != "dead":
+            elif self._state == BROKEN and st.state != "dead":
                 st.state = "broken"
             elif r in self.places and not self.places[r].shared_files and not d:
                 st.state = "unknown"  # its status file is on its own host
@@ -953,13 +1174,17 @@ class Session:
     @property
     def uptime(self) -> float:
         """Seconds since the session (or its last restart) started; 0 when stopped."""
-        if not self._started_at or self.state == STOPPED:
+        if not self._started_at or self._state == STOPPED:
             return 0.0
         return time.time() - self._started_at
 
     def status(self) -> SessionStatus:
+        """The session as ``%mlxdist status`` shows it; a rank or controller that
+        went away since the last cell marks the session broken here too."""
+        if self._state == READY:
+            self._check_alive()
         return SessionStatus(
-            state=self.state,
+            state=self._state,
             n=self.n,
             backend=self.backend,
             launcher=self.launcher,
@@ -973,6 +1198,38 @@ class Session:
 
 
 _STATE_KEYS = set(RankState.__dataclass_fields__) - {"rank"}
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    """A deadline in seconds: a positive finite number, or ``None`` for none."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running()
+    except psutil.Error:
+        return False
+
+
+def _describe_exit(code: int | None) -> str:
+    """``-9`` -> ``killed by SIGKILL (signal 9; the out-of-memory killer sends it too)``."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        extra = "; the out-of-memory killer sends it too" if -code == signal.SIGKILL else ""
+        return f"killed by {name} (signal {-code}{extra})"
+    return f"exit code {code}"
 
 
 def _pull_name(name: str) -> Any:

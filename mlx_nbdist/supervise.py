@@ -1,16 +1,23 @@
 """Watch a dispatched cell until every rank is done, and never let it hang.
 
 The supervisor polls the ranks' replies; on top of ipyparallel it knows each rank's
-process and what collective it last issued (from the rank's status file), so it can:
+process and what collectives it issued in this cell (from the rank's status file),
+so it can:
 
 * end the cell within seconds when one rank failed and the others wait for it in a
-  collective: first by *draining* (the finished ranks issue the collective the
-  stuck ones wait in, with zeros, so they return; the session stays usable and the
-  cell is marked invalid), and only if that fails by ending the stuck ranks;
-* notice a rank whose process died (SIGKILL, ``os._exit``) and not wait for it;
-* end the stuck ranks at the deadline, or on the user's interrupt after SIGINT and
-  a short grace.
+  collective: first by *draining* (the finished ranks issue the collectives the
+  stuck ones wait in, with zeros, so they return; the cell is marked invalid), and
+  only if that fails by ending the stuck ranks;
+* notice a rank whose process died (SIGKILL, ``os._exit``), one that is paused
+  (SIGSTOP, a debugger) and was dropped by the controller, the controller or one
+  of its schedulers dying, and ranks that all wait to receive from each other;
+* at the deadline or on the user's interrupt, send SIGINT first (a rank running
+  Python stops), drain what waits on it, and end only what still runs.
 
+A drain, or any stop that left the group in use, sets ``needs_alignment``: the
+session then trusts the group only once every rank has answered an alignment check
+(a fresh nonce gathered by every rank, see :func:`mlx_nbdist.engine.tracker.align`);
+otherwise it declares the group broken.
 Ending a rank breaks the MLX group (it cannot be rebuilt in the same processes), so
 the session is then marked broken and needs ``restart``.
 """
@@ -25,7 +32,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .results import DIED, DRAINED, ERROR, KILLED, CollectiveRecord, RankFailure
+from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure
+
+_RECV = ("recv", "recv_like")
 
 
 class Ranks(Protocol):
@@ -33,11 +42,14 @@ class Ranks(Protocol):
 
     def rank_pid(self, rank: int) -> int: ...
     def rank_alive(self, rank: int) -> bool: ...
+    def rank_paused(self, rank: int) -> bool: ...
+    def rank_exit(self, rank: int) -> str: ...
     def rank_record(self, rank: int) -> dict[str, Any]: ...
     def kill_ranks(self, ranks: list[int], sig: int) -> None: ...
     def drain_ranks(
-        self, ranks: list[int], records: list[dict[str, Any]], timeout: float
-    ) -> dict[int, list[str]]: ...
+        self, plan: dict[int, list[dict[str, Any]]], timeout: float
+    ) -> tuple[dict[int, list[str]], list[int]]: ...
+    def infrastructure_problem(self) -> str: ...
 
 
 @dataclass
@@ -53,6 +65,10 @@ class Outcome:
     summary: str = ""
     timed_out: bool = False
     interrupted: bool = False
+    #: the group was used in a way that must be proven in step before the next cell
+    needs_alignment: bool = False
+    #: why the cell fails although every rank finished (its ranks' ledgers disagree)
+    problem: str = ""
 
 
 @dataclass
@@ -66,6 +82,11 @@ class Policy:
     drain_timeout: float = 3.0
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
+    #: how long every rank must answer the alignment check after a drain or stop
+    align_timeout: float = 5.0
+    #: ranks that all wait to receive from each other, none moving (same records, same
+    #: place in the code), for this long are deadlocked
+    deadlock_grace: float = 3.0
     poll: float = 0.02
     #: how often the rank processes are checked for life (each check reads /proc)
     alive_every: float = 0.2
@@ -86,21 +107,27 @@ class Supervisor:
         futures: dict[int, Future],
         policy: Policy,
         on_tick: Callable[[], None] | None = None,
+        cell: int = 0,
     ):
         self.s = ranks
         self.futures = futures
         self.policy = policy
         self.on_tick = on_tick
+        self.cell = cell
         self._last_tick = time.monotonic()  # the first tick after one interval
         self.out = Outcome()
         self._failed_at: float | None = None
         self._finished_at = 0.0  # when the first rank finished (see stragglers_after)
         self._drained = False
         self._alive_at = time.monotonic()  # the session checked them before dispatch
+        self._recv_wait: tuple[Any, float] | None = None  # (what, since) for deadlocks
 
     # -- helpers ------------------------------------------------------------------
     def _pending(self) -> list[int]:
         return [r for r, f in self.futures.items() if not f.done()]
+
+    def _running(self) -> list[int]:
+        return [r for r in self._pending() if r not in self.out.failures]
 
     def _errored(self) -> list[int]:
         return [r for r, f in self.futures.items() if f.done() and failed(f)]
@@ -108,23 +135,28 @@ class Supervisor:
     def _wait(self, ranks: list[int], timeout: float) -> None:
         wait_futures([self.futures[r] for r in ranks], timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _records(self, rank: int) -> list[CollectiveRecord]:
+    def _cell_records(self, rank: int) -> list[CollectiveRecord]:
+        """The collectives ``rank`` issued in this cell, as far as its status file says."""
         rec = self.s.rank_record(rank)
-        return [CollectiveRecord.from_dict(d) for d in rec.get("recent", [])]
+        out = [CollectiveRecord.from_dict(d) for d in rec.get("recent", [])]
+        return sorted((r for r in out if r.cell == self.cell), key=lambda r: r.index)
 
-    def _count(self, rank: int) -> int:
-        return int(self.s.rank_record(rank).get("collectives", 0))
+    def _cell_count(self, rank: int) -> int:
+        rec = self.s.rank_record(rank)
+        if rec.get("tracker_cell") != self.cell:
+            return 0
+        return int(rec.get("cell_collectives", 0))
 
     def _mark(self, ranks: list[int], cause: str, why: str) -> None:
         for r in ranks:
             self.out.failures[r] = RankFailure(
-                rank=r, cause=cause, evalue=why, pending=self._records(r)[-3:]
+                rank=r, cause=cause, evalue=why, pending=self._cell_records(r)[-3:]
             )
 
     def _end(self, ranks: list[int], why: str, cause: str = KILLED) -> None:
         if not ranks:
             return
-        self._mark(ranks, cause, why)
+        self._mark([r for r in ranks if r not in self.out.failures], cause, why)
         self.s.kill_ranks(ranks, signal.SIGKILL)
         self.out.broken = self.out.broken or why
 
@@ -134,23 +166,21 @@ class Supervisor:
         deadline = start + self.policy.timeout if self.policy.timeout else None
         try:
             while True:
-                pending = self._pending()
-                self._check_dead(pending)
-                if not pending:
-                    break
-                pending = [r for r in self._pending() if r not in self.out.failures]
+                self._check_health()
+                pending = self._running()
                 if not pending:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     self.out.timed_out = True
-                    self._end(pending, f"deadline of {self.policy.timeout:g} s reached")
+                    self._stop(pending, f"deadline of {self.policy.timeout:g} s reached")
                     break
                 if self._handle_failure(pending):
                     break
                 self._wait(pending, self.policy.poll)
                 self._tick()
         except KeyboardInterrupt:
-            self._interrupt()
+            self.out.interrupted = True
+            self._stop(self._running(), "interrupted and did not stop after SIGINT")
         self.out.replied = [r for r, f in self.futures.items() if f.done()]
         return self.out
 
@@ -165,11 +195,21 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - a display must never break the cell
             self.on_tick = None
 
-    def _check_dead(self, pending: list[int]) -> None:
+    # -- health: processes, controller, deadlocks ------------------------------------
+    def _check_health(self) -> None:
         now = time.monotonic()
         if now - self._alive_at < self.policy.alive_every:
             return
         self._alive_at = now
+        problem = self.s.infrastructure_problem()
+        if problem:
+            self._end(self._running(), problem)
+            self.out.broken = problem
+            return
+        self._check_dead()
+        self._check_deadlock()
+
+    def _check_dead(self) -> None:
         # Not only the pending ranks: ipyparallel may already have failed the future
         # of an engine whose heartbeat stopped.
         maybe = [
@@ -178,19 +218,70 @@ class Supervisor:
             if r not in self.out.failures and (not f.done() or failed(f))
         ]
         dead = [r for r in maybe if not self.s.rank_alive(r)]
-        if not dead:
+        # a paused process (SIGSTOP, a debugger) is alive; the controller drops its
+        # engine once its heartbeat stops, which fails its future
+        paused = [
+            r for r in maybe if r not in dead and self.futures[r].done() and self.s.rank_paused(r)
+        ]
+        for r in dead:
+            self._mark([r], DIED, self.s.rank_exit(r) or "process exited")
+        if paused:
+            self._mark(
+                paused,
+                PAUSED,
+                "its process is paused (stopped by SIGSTOP or a debugger) and the "
+                "controller dropped its engine after its heartbeat stopped",
+            )
+        if not dead and not paused:
             return
-        self._mark(dead, DIED, "process exited")
-        self.out.broken = f"rank {', '.join(map(str, dead))} died"
+        gone = sorted(dead + paused)
+        what = "died" if not paused else ("was paused too long" if not dead else "died or paused")
+        self.out.broken = f"rank {', '.join(map(str, gone))} {what}"
         # Ranks blocked in a collective with a dead peer usually fail at once
         # ("connection to a peer was lost"); give them a moment, then end them.
-        others = [r for r in pending if r not in dead]
+        others = [r for r in self._running() if r not in gone]
         t_end = time.monotonic() + self.policy.failure_grace
         while others and time.monotonic() < t_end:
             self._wait(others, 0.1)
-            others = [r for r in self._pending() if r not in self.out.failures]
-        self._end(others, f"peer rank(s) {dead} died")
+            others = self._running()
+        self._end(others, f"peer rank(s) {gone} {what}")
+        if paused:  # a stopped process ignores everything but SIGKILL
+            self.s.kill_ranks(paused, signal.SIGKILL)
 
+    def _check_deadlock(self) -> None:
+        """Every running rank's last collective is a receive from another running rank,
+        and none moves (no new collective, its main thread at the same instruction) for
+        ``deadlock_grace``: nothing can ever arrive."""
+        running = self._running()
+        if len(running) < 2 or len(running) != len(self.futures):
+            self._recv_wait = None
+            return
+        waits = {}
+        for r in running:
+            recs = self._cell_records(r)
+            where = self.s.rank_record(r).get("main_frame")
+            if not recs or recs[-1].op not in _RECV or not where:
+                self._recv_wait = None
+                return
+            waits[r] = (recs[-1].seq, recs[-1].peer, where)
+        if any(peer not in waits for _, peer, _ in waits.values()):
+            self._recv_wait = None
+            return
+        now = time.monotonic()
+        if self._recv_wait is None:
+            self._recv_wait = (waits, now)
+            return
+        before, since = self._recv_wait
+        same = all(before.get(r) == w for r, w in waits.items())
+        if not same:
+            self._recv_wait = (waits, now)
+            return
+        if now - since < self.policy.deadlock_grace:
+            return
+        cycle = ", ".join(f"rank {r} waits in recv from rank {w[1]}" for r, w in waits.items())
+        self._end(running, f"deadlock: {cycle}; nothing can arrive")
+
+    # -- failures while others run ------------------------------------------------
     def _handle_failure(self, pending: list[int]) -> bool:
         """React to ranks that failed while others still run; True when done."""
         finished = [r for r in self.futures if r not in pending]
@@ -210,41 +301,70 @@ class Supervisor:
             return False
         if time.monotonic() - self._failed_at < self.policy.failure_grace:
             return False
-        stuck = [r for r in pending if self._cell_collectives(r)]
+        stuck = [r for r in pending if self._in_collective(r)]
         if not stuck:
             return False  # computing, not waiting on a peer: the deadline governs
         if not self._drained:
             self._drained = True
             if self._drain(stuck, finished):
-                return not self._pending()
+                return not self._running()
         self._end(stuck, "stuck in a collective after a peer failed")
         return True
 
-    def _cell_collectives(self, rank: int) -> bool:
-        cell = self.s.rank_record(rank).get("cell")
-        return any(rec.cell == cell for rec in self._records(rank))
+    def _in_collective(self, rank: int) -> bool:
+        """Whether ``rank`` issued a collective in this cell (it may be waiting in it)."""
+        return self._cell_count(rank) > 0
 
     def _stuck_beyond(self, pending: list[int], finished: list[int]) -> bool:
-        top = max((self._count(r) for r in finished), default=0)
-        return any(self._count(r) > top for r in pending)
+        top = max((self._cell_count(r) for r in finished), default=0)
+        return any(self._cell_count(r) > top for r in pending)
 
     def _drain(self, stuck: list[int], finished: list[int]) -> bool:
-        source = max(stuck, key=self._count)
-        records = [
-            dict(vars(rec), from_rank=source)
-            for rec in self._records(source)
-            if rec.seq > min((self._count(r) for r in finished), default=0)
-        ]
-        if not records:
-            return False
-        replayed = self.s.drain_ranks(finished, records, self.policy.drain_timeout)
-        t_end = time.monotonic() + self.policy.drain_timeout
-        while self._pending() and time.monotonic() < t_end:
-            self._wait(self._pending(), 0.1)
-        if self._pending():
+        """Release ``stuck`` by replaying, on each finished rank, the stuck ranks'
+        collectives of this cell that it did not issue; a few rounds, as long as the
+        stuck ranks make progress. True when none is left waiting."""
+        helpers = [r for r in finished if r not in self.out.failures and self.s.rank_alive(r)]
+        replayed: dict[int, list[str]] = {}
+        released = False
+        settling: set[int] = set()
+        issued: dict[int, int] = {}  # per helper: what it issued in this cell, replays too
+        for _ in range(4):
+            source = max(stuck, key=self._cell_count)
+            records = self._cell_records(source)
+            plan = {}
+            for f in helpers:
+                # a helper's status file may not show its replays yet
+                have = issued[f] = max(self._cell_count(f), issued.get(f, 0))
+                recs = [dict(vars(rec), from_rank=source) for rec in records if rec.index > have]
+                # the status file keeps the last records only: a gap cannot be replayed
+                if recs and recs[0]["index"] == have + 1:
+                    plan[f] = recs
+            if not plan:
+                break
+            before = self._cell_count(source)
+            settling |= {r for r in stuck if self.s.rank_record(r).get("settling")}
+            done, blocked = self.s.drain_ranks(plan, self.policy.drain_timeout)
+            for r, lines in done.items():
+                replayed.setdefault(r, []).extend(lines)
+            for f, recs in plan.items():
+                issued[f] += len(recs)
+            if blocked:
+                self._end(blocked, "blocked replaying a collective for a stuck peer")
+                return False
+            t_end = time.monotonic() + self.policy.drain_timeout
+            while self._running() and time.monotonic() < t_end:
+                self._wait(self._running(), 0.1)
+            if not self._running():
+                released = True
+                break
+            stuck = self._running()
+            if self._cell_count(source) <= before:
+                break  # no progress: it waits in something the records do not show
+        if not released:
             return False
         self.out.valid = False
-        done = sorted({line for lines in replayed.values() for line in lines})
+        self.out.needs_alignment = True
+        done_lines = sorted({line for lines in replayed.values() for line in lines})
         for r in stuck:
             self.out.failures.setdefault(
                 r,
@@ -252,30 +372,49 @@ class Supervisor:
                     rank=r,
                     cause=DRAINED,
                     evalue="released by replaying its collective on the ranks that skipped it",
-                    pending=self._records(r)[-3:],
+                    pending=self._cell_records(r)[-3:],
                 ),
             )
         self.out.summary = (
-            f"Drained: ranks {stuck} were waiting in {', '.join(done) or 'a collective'}; "
+            f"Drained: ranks {stuck} were waiting in {', '.join(done_lines) or 'a collective'}; "
             f"ranks {sorted(replayed)} issued it with zeros so they could return. "
-            "The session is still usable, but the values computed in this cell are invalid."
+            "The values computed in this cell are invalid."
         )
+        if settling:
+            self.out.summary += (
+                f" Ranks {sorted(settling)} had left it unevaluated: a cell's collectives "
+                "are evaluated when it ends, so that none can pair with a later cell's; "
+                "every rank must issue (and evaluate) the same collectives."
+            )
         return True
 
-    def _interrupt(self) -> None:
-        self.out.interrupted = True
-        pending = [r for r in self._pending() if r not in self.out.failures]
-        self.s.kill_ranks(pending, signal.SIGINT)
-        t_end = time.monotonic() + self.policy.interrupt_grace
-        while True:
-            try:
-                pending = [r for r in self._pending() if r not in self.out.failures]
-                if not pending or time.monotonic() > t_end:
-                    break
-                self._wait(pending, 0.1)
-            except KeyboardInterrupt:
-                break
-        self._end(pending, "interrupted and did not stop after SIGINT")
+    # -- deadline and interrupt ---------------------------------------------------
+    def _stop(self, pending: list[int], why: str) -> None:
+        """SIGINT the running ranks; drain what then waits on them; end the rest."""
+        if not pending:
+            return
+        self.out.needs_alignment = True
+        try:
+            self.s.kill_ranks(pending, signal.SIGINT)
+            t_end = time.monotonic() + self.policy.interrupt_grace
+            while self._running() and time.monotonic() < t_end:
+                self._wait(self._running(), 0.1)
+            still = self._running()
+            finished = [r for r in self.futures if r not in still]
+            stuck = [r for r in still if self._in_collective(r)]
+            if still and finished and stuck == still and not self._drained:
+                self._drained = True
+                self._failed_at = self._failed_at or time.monotonic()
+                self._drain(still, finished)
+        except KeyboardInterrupt:
+            pass  # a second interrupt: end them now
+        still = self._running()
+        self._end(still, why)
+        stopped = [r for r in pending if r not in still and r not in self.out.failures]
+        if stopped:
+            note = f"ranks {stopped} stopped on SIGINT"
+            self.out.summary = (self.out.summary + "\n" if self.out.summary else "") + note
+            self.out.valid = False
 
 
 def failed(fut: Future) -> bool:
@@ -295,4 +434,4 @@ def error_of(fut: Future) -> BaseException | None:
     return exc
 
 
-__all__ = ["Outcome", "Policy", "Supervisor", "DIED", "ERROR", "KILLED", "DRAINED"]
+__all__ = ["Outcome", "Policy", "Supervisor", "DIED", "ERROR", "KILLED", "DRAINED", "PAUSED"]

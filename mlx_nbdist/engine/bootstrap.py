@@ -177,6 +177,10 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     if _STATE is not None:
         raise RuntimeError(f"rank {_STATE.rank} is already bootstrapped")
     backend, size = cfg["backend"], int(cfg["size"])
+    # Left in the notebook's environment by an earlier ``mlx.launch`` run, these would
+    # make MLX join *that* group (a group of one blocks trying to reach its ring).
+    for var in _MLX_GROUP_VARS:
+        os.environ.pop(var, None)
     if not mx.distributed.is_available(backend):
         raise RuntimeError(
             f"this MLX build has no '{backend}' distributed backend "
@@ -242,6 +246,18 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: variables with which MLX finds a group to join; this session sets its own
+_MLX_GROUP_VARS = (
+    "MLX_RANK",
+    "MLX_HOSTFILE",
+    "MLX_WORLD_SIZE",
+    "MLX_RING_VERBOSE",
+    "MLX_IBV_DEVICES",
+    "MLX_JACCL_COORDINATOR",
+    "MLX_JACCL_DEVICES",
+)
+
+
 class _UnwatchedMonitor(Monitor):
     """A monitor on a host that cannot see the notebook's process.
 
@@ -282,7 +298,12 @@ def _prepare_shell(mx: Any, nn: Any, st: EngineState) -> None:
         begin(_cell_meta(ip))
 
     def post_run_cell(result: Any) -> None:
-        st.monitor.cell_finished("ok" if result.success else type(result.error_in_exec).__name__)
+        try:
+            end_cell()
+        finally:
+            st.monitor.cell_finished(
+                "ok" if result.success else type(result.error_in_exec).__name__
+            )
 
     ip.events.register("pre_run_cell", pre_run_cell)
     ip.events.register("post_run_cell", post_run_cell)
@@ -294,6 +315,25 @@ def begin(meta: dict[str, Any]) -> None:
     cell = int(meta.get("cell", 0))
     st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
     st.monitor.cell_started(cell)
+
+
+def end_cell() -> None:
+    """End a cell or apply on this rank: run its unevaluated collectives (see
+    :meth:`Tracker.settle`) and send the notebook this cell's ledger, when it issued
+    any collective, to compare across ranks."""
+    st = current()
+    st.tracker.settle()
+    if st.tracker.cell_count:
+        from ipyparallel.datapub import publish_data
+
+        try:
+            publish_data({LEDGER_KEY: st.tracker.ledger()})
+        except Exception:  # noqa: BLE001 - no kernel (plain process): nobody to tell
+            pass
+
+
+#: the key of a cell's ledger among the data a rank publishes (``md["data"]``)
+LEDGER_KEY = "mlx_nbdist.ledger"
 
 
 def _cell_meta(ip: Any) -> dict[str, Any]:
@@ -317,7 +357,10 @@ def call(meta: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
         status = type(e).__name__
         raise
     finally:
-        current().monitor.cell_finished(status)
+        try:
+            end_cell()
+        finally:
+            current().monitor.cell_finished(status)
 
 
 def drain(records: list[dict[str, Any]]) -> list[str]:
@@ -325,6 +368,20 @@ def drain(records: list[dict[str, Any]]) -> list[str]:
     from .tracker import drain as _drain
 
     return _drain(current().tracker, records)
+
+
+def receive_unmatched(messages: list[dict[str, Any]]) -> int:
+    """Drop messages sent to this rank that it never received (see tracker)."""
+    from .tracker import receive_unmatched as _receive
+
+    return _receive(current().tracker, messages)
+
+
+def align(nonce: int) -> dict[str, Any]:
+    """Check that the group's streams are in step (see :func:`tracker.align`)."""
+    from .tracker import align as _align
+
+    return _align(current().tracker, nonce)
 
 
 def heartbeat() -> float:

@@ -20,6 +20,8 @@ same on every rank for correct programs.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import threading
 from collections import deque
 from typing import Any
@@ -29,8 +31,11 @@ import mlx.core as mx
 from ..results import CollectiveRecord
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
+P2P = ("send", "recv", "recv_like")
 _OP_CODES = {op: i + 1 for i, op in enumerate(OPS)}
-_SIG_LEN = 12  # op, dtype, ndim, up to 8 dims, peer
+#: how many issued-but-unevaluated collective outputs a rank holds before it drops
+#: those already evaluated (see :meth:`Tracker.settle`)
+COMPACT_AT = 64
 
 
 class CollectiveError(RuntimeError):
@@ -38,7 +43,15 @@ class CollectiveError(RuntimeError):
 
 
 class Tracker:
-    """Per-engine record of collectives; installed once by the bootstrap."""
+    """Per-engine record of collectives; installed once by the bootstrap.
+
+    Besides the records, the tracker keeps this cell's *ledger*: the collectives it
+    issued (count and a digest of their ops, shapes and dtypes) and the bytes of each
+    message sent to or received from each peer. It also holds every collective output
+    of the cell until :meth:`settle` at the cell's end evaluates those still
+    unevaluated, so that a collective issued in a cell has run when the cell ends on
+    every rank: it can never pair with a later cell's collective.
+    """
 
     def __init__(self, world: Any, rank: int, size: int, history: int = 64):
         self.world = world
@@ -53,6 +66,18 @@ class Tracker:
         self._orig: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._replaying = False
+        self._begin_ledger()
+        #: records being evaluated by :meth:`settle` right now (published)
+        self.settling: list[CollectiveRecord] = []
+
+    def _begin_ledger(self) -> None:
+        self.cell_count = 0
+        self._digest = hashlib.blake2b(digest_size=8)
+        #: per peer, one ``[nbytes, dtype, shape]`` per message, in order
+        self._sent: dict[int, list[list[Any]]] = {}
+        self._recvd: dict[int, list[list[Any]]] = {}
+        self._held: list[tuple[CollectiveRecord, Any]] = []
+        self._compact_at = COMPACT_AT
 
     # -- installation -------------------------------------------------------------
     def install(self) -> None:
@@ -79,20 +104,107 @@ class Tracker:
         self.cell = cell
         self.active_ranks = active_ranks
         self.check = check
+        self._begin_ledger()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "collectives": self.seq,
                 "bytes_moved": self.bytes_moved,
-                "recent": [vars(r).copy() for r in list(self.recent)[-8:]],
+                "recent": [vars(r).copy() for r in list(self.recent)[-32:]],
+                "tracker_cell": self.cell,
+                "cell_collectives": self.cell_count,
+                "settling": [vars(r).copy() for r in self.settling],
             }
 
     def cell_records(self, cell: int) -> list[CollectiveRecord]:
         with self._lock:
             return [r for r in self.recent if r.cell == cell]
 
+    def ledger(self) -> dict[str, Any]:
+        """What this rank issued in the current cell, to compare across ranks."""
+        with self._lock:
+            return {
+                "cell": self.cell,
+                "n": self.cell_count,
+                "digest": self._digest.hexdigest(),
+                "sent": {str(p): list(v) for p, v in self._sent.items()},
+                "recvd": {str(p): list(v) for p, v in self._recvd.items()},
+            }
+
+    def settle(self) -> list[CollectiveRecord]:
+        """Evaluate, in issue order, this cell's collectives that are still unevaluated.
+
+        MLX runs a collective only when its output is evaluated; one issued and left
+        unevaluated on some ranks would otherwise run whenever it is evaluated later
+        and pair with another cell's collective. Called at the end of every cell.
+        Outputs traced inside ``mx.compile`` cannot be evaluated outside it and are
+        skipped. Returns the records it evaluated.
+        """
+        with self._lock:
+            held, self._held = self._held, []
+        pending = [(rec, a) for rec, a in held if not _evaluated(a)]
+        if not pending:
+            return []
+        self.settling = [rec for rec, _ in pending]
+        done = []
+        try:
+            for rec, a in pending:
+                try:
+                    mx.eval(a)
+                except (RuntimeError, ValueError) as e:
+                    if "primitive" in str(e) or "transform" in str(e).lower():
+                        continue  # a tracer of mx.compile: it runs inside the compiled call
+                    raise
+                done.append(rec)
+        finally:
+            self.settling = []
+        return done
+
     # -- the wrapper --------------------------------------------------------------
+    def _record(
+        self,
+        op: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        peer: int | None,
+        nbytes: int,
+        *,
+        world: bool,
+        check: bool = False,
+    ) -> CollectiveRecord:
+        with self._lock:
+            self.seq += 1
+            self.cell_count += 1
+            self.bytes_moved += nbytes
+            rec = CollectiveRecord(
+                self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check
+            )
+            self.recent.append(rec)
+            if world:
+                msg = [nbytes, dtype, list(shape)]
+                if op == "send" and peer is not None:
+                    self._sent.setdefault(int(peer), []).append(msg)
+                elif op in ("recv", "recv_like") and peer is not None:
+                    self._recvd.setdefault(int(peer), []).append(msg)
+                else:
+                    self._digest.update(f"{op}{tuple(shape)}{dtype}{check};".encode())
+        return rec
+
+    def _hold(self, rec: CollectiveRecord, out: Any) -> None:
+        if not isinstance(out, mx.array):
+            return
+        with self._lock:
+            self._held.append((rec, out))
+            if len(self._held) < self._compact_at:
+                return
+            held = list(self._held)
+        keep = [(r, a) for r, a in held if not _evaluated(a)]
+        with self._lock:
+            added = self._held[len(held) :]
+            self._held = keep + added
+            self._compact_at = max(COMPACT_AT, 2 * len(self._held))
+
     def _wrap(self, op: str, fn: Any) -> Any:
         tracker = self
 
@@ -103,18 +215,17 @@ class Tracker:
             shape, dtype, peer = _describe(op, args, kwargs)
             if not tracker._replaying and group.size() > 1:
                 problem = tracker._subset_problem(op, group)
-                if problem is None and tracker.check and op not in ("send", "recv", "recv_like"):
+                if problem is None and tracker.check and op not in P2P:
                     problem = tracker._signature_problem(op, shape, dtype, group)
                 if problem:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else _nbytes(shape, dtype)
-            with tracker._lock:
-                tracker.seq += 1
-                tracker.bytes_moved += nbytes
-                tracker.recent.append(
-                    CollectiveRecord(tracker.seq, op, shape, dtype, peer, nbytes, tracker.cell)
-                )
-            return fn(*args, **kwargs)
+            rec = tracker._record(
+                op, shape, dtype, peer, nbytes, world=group.size() == tracker.size
+            )
+            out = fn(*args, **kwargs)
+            tracker._hold(rec, out)
+            return out
 
         wrapper.__name__ = op
         wrapper.__qualname__ = op
@@ -130,28 +241,61 @@ class Tracker:
             f"{op} over the whole group ({self.size} ranks) from a cell running on "
             f"ranks {active} only would wait forever for ranks "
             f"{sorted(set(range(self.size)) - set(active))}. Run the cell on all ranks "
-            "(drop --ranks) or use a subgroup made on every rank with world.split()."
+            "(drop --ranks); with the mpi or nccl backend a subgroup made on every rank "
+            "with world.split() also works (ring has no split)."
         )
+
+    def _gather_check(self, row: list[int], group: Any) -> list[list[int]]:
+        """All-gather one int64 row for ``--check-collectives``. It is recorded like a
+        user collective, so a rank blocked in it shows where and can be drained."""
+        shape = (1, len(row))
+        world = group.size() == self.size
+        self._record("all_gather", shape, "int64", None, 8 * len(row), world=world, check=True)
+        out = self._orig["all_gather"](mx.array(row, dtype=mx.int64)[None], group=group)
+        mx.eval(out)
+        return out.tolist()
 
     def _signature_problem(
         self, op: str, shape: tuple[int, ...], dtype: str, group: Any
     ) -> str | None:
-        sig = _signature(op, shape, dtype)
         try:
-            gathered = self._orig["all_gather"](mx.array(sig, dtype=mx.int64)[None], group=group)
-            mx.eval(gathered)
+            rows = self._gather_check(_signature(op, shape, dtype), group)
         except (RuntimeError, ValueError) as e:  # inside mx.compile: cannot eval, skip
             if "transform" in str(e).lower() or "compile" in str(e).lower():
                 return None
             raise
-        rows = gathered.tolist()
         if all(r == rows[0] for r in rows):
             return None
-        desc = "; ".join(f"rank {i}: {_unsignature(r)}" for i, r in enumerate(rows))
+        missing = [i for i, r in enumerate(rows) if r[0] == 0]
+        where = f"collective mismatch at #{self.seq + 1} ({op} on rank {self.rank})"
+        if missing:  # a peer released by a drain: it never issued this collective
+            return (
+                f"{where}: rank(s) {missing} did not issue it (they failed or skipped it). "
+                "All ranks must issue the same collectives in the same order."
+            )
+        # every rank saw the same rows, so every rank gathers the full description too
+        width = max(1, max(r[2] for r in rows))
+        dims = list(shape) + [-1] * (width - len(shape))
+        name = list(dtype.encode()[:_NAME_LEN].ljust(_NAME_LEN, b"\0"))
+        full = self._gather_check([*dims, *name], group)
+        desc = "; ".join(
+            f"rank {i}: {_unsignature(rows[i], full[i], width)}" for i in range(len(rows))
+        )
         return (
-            f"collective mismatch at #{self.seq + 1} ({op} on rank {self.rank}): {desc}. "
+            f"{where}: {desc}. "
             "All ranks must issue the same collective with the same shape and dtype."
         )
+
+
+def _evaluated(a: Any) -> bool:
+    """Whether an array has been evaluated: MLX drops an evaluated array's graph, so
+    its graph export has no edge (cheap: a few microseconds once evaluated)."""
+    f = io.StringIO()
+    try:
+        mx.export_to_dot(f, a)
+    except Exception:  # noqa: BLE001 - cannot tell: treat as evaluated, never block on it
+        return True
+    return "->" not in f.getvalue()
 
 
 def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str, int | None]:
@@ -175,10 +319,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("mlx.core.", "")
 
 
-_DTYPES = [
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "float32", "float64", "bfloat16", "complex64",
-]  # fmt: skip
+_NAME_LEN = 16
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -191,44 +332,45 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
         return 0
 
 
+def _code(text: str) -> int:
+    """A stable 62-bit number for a string (same on every rank and host)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
+
+
 def _signature(op: str, shape: tuple[int, ...], dtype: str) -> list[int]:
-    dims = list(shape)[:8] + [-1] * (8 - min(len(shape), 8))
-    code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-    return [_OP_CODES[op], code, len(shape), *dims, 0][:_SIG_LEN]
+    """op, dtype, ndim and the whole shape (as a hash): equal rows mean equal calls."""
+    return [_OP_CODES[op], _code(dtype), len(shape), _code(repr(tuple(int(d) for d in shape)))]
 
 
-def _unsignature(row: list[int]) -> str:
+def _unsignature(row: list[int], full: list[int], width: int) -> str:
     op = OPS[row[0] - 1] if 0 < row[0] <= len(OPS) else "?"
-    dtype = _DTYPES[row[1]] if 0 <= row[1] < len(_DTYPES) else "?"
-    shape = tuple(row[3 : 3 + row[2]])
+    shape = tuple(full[: row[2]]) if 0 <= row[2] <= width else "?"
+    dtype = bytes(b for b in full[width:] if 0 < b < 128).decode(errors="replace") or "?"
     return f"{op} shape={shape} dtype={dtype}"
 
 
 def drain(tracker: Tracker, records: list[dict[str, Any]]) -> list[str]:
     """Issue, on this rank, the collectives that a stuck peer is waiting in.
 
-    Each record is replayed with zeros of the same shape and dtype, in sequence
-    order, skipping those this rank already issued. Point-to-point records are
-    replayed only when this rank is the peer. The values the peer receives are not
-    meaningful: the cell that needed draining is marked invalid.
+    ``records`` are exactly the peer's collectives this rank must match, in order
+    (the notebook picks them: those past what this rank issued in the cell). Each is
+    replayed with zeros of the same shape and dtype and evaluated before the next.
+    Point-to-point records are replayed only when this rank is their peer (a stuck
+    ``send`` to us is received and dropped; a stuck ``recv`` from us gets zeros).
+    The values the peer receives are not meaningful: the cell is marked invalid.
 
     Returns:
         One line per replayed collective.
     """
     done: list[str] = []
-    outs = []
     tracker._replaying = True
     try:
-        for d in sorted(records, key=lambda d: d["seq"]):
+        for d in records:
             rec = CollectiveRecord.from_dict(d)
-            if rec.seq <= tracker.seq and rec.op not in ("send", "recv", "recv_like"):
-                continue
             out = _replay(tracker, rec, d.get("from_rank"))
             if out is not None:
-                outs.append(out)
+                mx.eval(out)
                 done.append(rec.describe())
-        if outs:
-            mx.eval(outs)
     finally:
         tracker._replaying = False
     return done
@@ -237,7 +379,7 @@ def drain(tracker: Tracker, records: list[dict[str, Any]]) -> list[str]:
 def _replay(tracker: Tracker, rec: CollectiveRecord, from_rank: int | None) -> Any:
     dtype = getattr(mx, rec.dtype)
     dist = mx.distributed
-    if rec.op in ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter"):
+    if rec.op not in P2P:
         return getattr(dist, rec.op)(mx.zeros(rec.shape, dtype=dtype), group=tracker.world)
     if rec.peer != tracker.rank or from_rank is None:
         return None
@@ -245,3 +387,35 @@ def _replay(tracker: Tracker, rec: CollectiveRecord, from_rank: int | None) -> A
         return dist.recv(rec.shape, dtype, from_rank, group=tracker.world)
     # the stuck rank receives from us: send it zeros
     return dist.send(mx.zeros(rec.shape, dtype=dtype), from_rank, group=tracker.world)
+
+
+def receive_unmatched(tracker: Tracker, messages: list[dict[str, Any]]) -> int:
+    """Receive and drop messages a peer sent in the last cell that this rank never
+    received, so they cannot be read by a later cell's ``recv``."""
+    tracker._replaying = True
+    try:
+        for m in messages:
+            out = mx.distributed.recv(
+                tuple(m["shape"]), getattr(mx, m["dtype"]), int(m["src"]), group=tracker.world
+            )
+            mx.eval(out)
+    finally:
+        tracker._replaying = False
+    return len(messages)
+
+
+def align(tracker: Tracker, nonce: int) -> dict[str, Any]:
+    """Prove that the group's message streams are in step: every rank gathers a row
+    of the same fresh ``nonce``, its rank and the group size. A stream that still
+    holds a stale message (or a rank that pairs this with another collective) reads
+    a wrong row; a rank still blocked elsewhere never answers."""
+    row = [nonce, tracker.rank, tracker.size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]
+    out = tracker.original("all_gather")(mx.array(row, dtype=mx.int64)[None], group=tracker.world)
+    mx.eval(out)
+    rows = out.tolist()
+    bad = [
+        i
+        for i, r in enumerate(rows)
+        if r != [nonce, i, tracker.size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]
+    ]
+    return {"rank": tracker.rank, "bad": bad, "seq": tracker.seq}

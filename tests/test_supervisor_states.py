@@ -1,0 +1,211 @@
+"""The supervisor's decisions behind its ``Ranks`` protocol, with a fake session.
+
+Real-engine tests of the same cases are in test_faults.py and
+test_compound_faults.py; here the timing is ours, so each decision is checked
+exactly (which rank is drained, ended, or left to the deadline, and why).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from mlx_nbdist.results import DIED, DRAINED, KILLED, PAUSED
+from mlx_nbdist.supervise import Policy, Supervisor
+
+FAST = dict(failure_grace=0.2, drain_timeout=0.5, interrupt_grace=0.2, deadlock_grace=0.3,
+            alive_every=0.02, poll=0.01, stragglers_after=0.0)
+
+
+def rec(seq: int, op: str, cell: int, index: int, peer: int | None = None) -> dict[str, Any]:
+    return dict(seq=seq, op=op, shape=[4], dtype="float32", peer=peer, nbytes=16,
+                cell=cell, index=index)
+
+
+class FakeRanks:
+    """Ranks whose futures, status records and processes the test controls."""
+
+    def __init__(self, n: int = 2, cell: int = 5):
+        self.cell = cell
+        self.futures = {r: Future() for r in range(n)}
+        self.records: dict[int, dict[str, Any]] = {
+            r: {"tracker_cell": cell, "cell_collectives": 0, "recent": [], "main_frame": "x:1:2"}
+            for r in range(n)
+        }
+        self.alive = dict.fromkeys(range(n), True)
+        self.paused = dict.fromkeys(range(n), False)
+        self.infra = ""
+        self.signals: list[tuple[list[int], int]] = []
+        self.drain_plans: list[dict[int, list[dict[str, Any]]]] = []
+        #: what a drain does: {rank: True (completes, releases the stuck) | False (blocks)}
+        self.drain_completes: dict[int, bool] = {}
+
+    def issue(self, rank: int, op: str, peer: int | None = None, cell: int | None = None) -> None:
+        r = self.records[rank]
+        r["cell_collectives"] += 1
+        seq = len(r["recent"]) + 100
+        r["recent"].append(rec(seq, op, cell or self.cell, r["cell_collectives"], peer))
+
+    def finish(self, rank: int, error: BaseException | None = None) -> None:
+        if error is None:
+            self.futures[rank].set_result(None)
+        else:
+            self.futures[rank].set_exception(error)
+
+    # -- the protocol ---------------------------------------------------------------
+    def rank_pid(self, rank: int) -> int:
+        return 1000 + rank
+
+    def rank_alive(self, rank: int) -> bool:
+        return self.alive[rank]
+
+    def rank_paused(self, rank: int) -> bool:
+        return self.paused[rank]
+
+    def rank_exit(self, rank: int) -> str:
+        return "killed by SIGKILL (signal 9)" if not self.alive[rank] else ""
+
+    def rank_record(self, rank: int) -> dict[str, Any]:
+        return self.records[rank]
+
+    def kill_ranks(self, ranks: list[int], sig: int) -> None:
+        self.signals.append((list(ranks), sig))
+        if sig == signal.SIGKILL:
+            for r in ranks:
+                self.alive[r] = False
+                if not self.futures[r].done():
+                    self.futures[r].set_exception(RuntimeError("killed"))
+
+    def drain_ranks(self, plan, timeout):
+        self.drain_plans.append(plan)
+        blocked = [r for r in plan if not self.drain_completes.get(r, True)]
+        if not blocked:
+            for r, f in self.futures.items():
+                if not f.done():
+                    f.set_result(None)  # the stuck rank returns
+        return {r: ["#1 all_sum"] for r in plan if r not in blocked}, blocked
+
+    def infrastructure_problem(self) -> str:
+        return self.infra
+
+
+def supervise(fake: FakeRanks, timeout: float | None = 10.0):
+    policy = Policy(timeout=timeout, **FAST)
+    return Supervisor(fake, fake.futures, policy, cell=fake.cell).wait()
+
+
+def test_a_replay_that_blocks_breaks_the_group_instead_of_reporting_a_drain() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "all_sum")
+    fake.finish(1, ValueError("rank one fails"))
+    fake.drain_completes[1] = False
+    out = supervise(fake)
+    assert fake.drain_plans and fake.drain_plans[0][1][0]["op"] == "all_sum"
+    assert out.failures[1].cause == KILLED  # blocked in its replay: ended too
+    assert out.failures[0].cause == KILLED
+    assert out.broken and not out.needs_alignment
+
+
+def test_a_completed_drain_must_still_be_proven_in_step() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "all_sum")
+    fake.finish(1, ValueError("rank one fails"))
+    out = supervise(fake)
+    assert out.failures[0].cause == DRAINED
+    assert out.needs_alignment and not out.valid and not out.broken
+
+
+def test_the_replay_plan_is_what_each_finished_rank_has_not_issued_in_this_cell() -> None:
+    fake = FakeRanks()
+    for op in ("all_sum", "all_gather", "all_sum"):
+        fake.issue(0, op)
+    fake.issue(1, "all_sum")  # rank 1 issued the first one, then raised
+    fake.finish(1, ValueError("fails"))
+    supervise(fake)
+    assert [d["op"] for d in fake.drain_plans[0][1]] == ["all_gather", "all_sum"]
+    assert [d["index"] for d in fake.drain_plans[0][1]] == [2, 3]
+
+
+def test_counts_of_earlier_cells_do_not_make_a_slow_rank_stuck() -> None:
+    fake = FakeRanks()
+    fake.records[0]["recent"] = [rec(s, "all_sum", 4, s) for s in range(1, 4)]  # old cell
+    fake.issue(0, "all_sum")
+    fake.issue(1, "all_sum")
+    fake.finish(1)
+    threading.Timer(1.0, fake.finish, (0,)).start()  # rank 0 computes for 1 s
+    out = supervise(fake)
+    assert not fake.drain_plans and not out.failures and out.valid
+
+
+def test_messages_name_only_this_cells_collectives() -> None:
+    fake = FakeRanks()
+    fake.records[1]["recent"] = [rec(7, "all_sum", 4, 1)]  # from the previous cell
+    fake.finish(0)
+    out = supervise(fake, timeout=0.3)  # rank 1 spins in Python; SIGINT does not stop it
+    assert out.timed_out and out.failures[1].pending == []
+
+
+def test_deadline_sends_sigint_before_sigkill() -> None:
+    fake = FakeRanks()
+    fake.finish(0)
+    supervise(fake, timeout=0.2)
+    assert [sig for _, sig in fake.signals] == [signal.SIGINT, signal.SIGKILL]
+
+
+def test_receivers_waiting_on_each_other_are_a_deadlock() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "recv", peer=1)
+    fake.issue(1, "recv", peer=0)
+    out = supervise(fake, timeout=30)
+    assert "deadlock" in out.broken
+    assert {f.cause for f in out.failures.values()} == {KILLED}
+
+
+def test_a_rank_that_moves_is_not_a_deadlock() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "recv", peer=1)
+    fake.issue(1, "recv", peer=0)
+    stop = threading.Event()
+
+    def move() -> None:
+        i = 0
+        while not stop.wait(0.05):
+            i += 1
+            fake.records[0]["main_frame"] = f"x:1:{i}"
+
+    threading.Thread(target=move, daemon=True).start()
+    try:
+        out = supervise(fake, timeout=1.0)
+    finally:
+        stop.set()
+    assert out.timed_out and "deadlock" not in out.broken
+
+
+def test_a_paused_rank_dropped_by_the_controller_is_paused_not_dead() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "all_sum")
+    fake.paused[1] = True
+    fake.finish(1, RuntimeError("EngineError: engine died"))
+    out = supervise(fake)
+    assert out.failures[1].cause == PAUSED
+    assert out.failures[0].cause == KILLED
+    assert ([1], signal.SIGKILL) in fake.signals  # the stopped process is ended too
+    assert "paused" in out.broken
+
+
+def test_a_dead_rank_says_how_it_ended() -> None:
+    fake = FakeRanks()
+    fake.alive[1] = False
+    out = supervise(fake)
+    assert out.failures[1].cause == DIED and "SIGKILL" in out.failures[1].evalue
+    assert out.broken
+
+
+def test_controller_death_ends_the_cell() -> None:
+    fake = FakeRanks()
+    fake.infra = "the ipyparallel controller (pid 5) exited; results cannot reach the notebook"
+    out = supervise(fake)
+    assert out.broken == fake.infra
+    assert set(out.failures) == {0, 1}
