@@ -8,6 +8,8 @@ the client's stack.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,41 +43,50 @@ class SessionBrokenError(MLXDistError):
 
 
 class ShardingError(MLXDistError):
-    """A sharding plan cannot be applied (bad dims, unknown paths, unsupported layer)."""
+    """A sharding plan cannot be applied (bad dims, unknown paths, unsupported layer),
+    or a model command (plan, shard, show, check, gradsync) was given an object on the
+    ranks that it cannot work on (not a model, different shapes on different ranks)."""
 
 
 class CellError(MLXDistError):
     """One or more ranks failed a ``%%mlxdist`` cell.
 
+    Ranks that failed the same way (same cause, exception, message and traceback,
+    up to the ``Cell In[N]`` numbers, which differ between engines) are reported
+    once, as ``[ranks 0-3] SyntaxError: ...`` with one traceback.
+
     Attributes:
         result: the :class:`~mlx_nbdist.results.CellResult` with every rank's output,
             including the ranks that succeeded.
         failures: the failing ranks, the rank that raised first.
+        groups: the failures grouped by how the ranks failed, in the same order.
         summary: what mlx_nbdist did about ranks stuck waiting for the failed ones.
     """
 
     def __init__(self, result: CellResult, summary: str = ""):
         self.result = result
         self.failures: list[RankFailure] = _order_failures(result.failures)
+        self.groups: list[FailureGroup] = group_failures(self.failures)
         self.summary = summary
         super().__init__(self._message())
 
     def _message(self) -> str:
         lines = [f"{len(self.failures)} of {len(self.result.ranks)} ranks failed"]
-        lines += [f.headline() for f in self.failures]
+        lines += [g.headline() for g in self.groups]
         if self.summary:
             lines.append(self.summary)
         return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:
         out = [f"{type(self).__name__}: {self._message().splitlines()[0]}"]
-        for f in self.failures:
+        for g in self.groups:
+            f = g.first
             out.append("")
-            out.append(f.headline())
+            out.append(g.headline())
             out.extend(line.rstrip("\n") for line in f.traceback)
             if f.pending:
                 out.append(
-                    f"  last collectives on rank {f.rank}: "
+                    f"  last collectives on {g.label()}: "
                     + "; ".join(p.describe() for p in f.pending[-3:])
                 )
         if self.summary:
@@ -85,6 +96,82 @@ class CellError(MLXDistError):
 
     def __str__(self) -> str:
         return self._message()
+
+
+@dataclass
+class FailureGroup:
+    """Ranks that failed a cell the same way; ``first`` stands for all of them."""
+
+    ranks: list[int]
+    first: RankFailure
+
+    def label(self) -> str:
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        return f"ranks {rank_span(self.ranks)}"
+
+    def headline(self) -> str:
+        """``RankFailure.headline`` with the group's ranks in place of the first's."""
+        line = self.first.headline()
+        own = f"[rank {self.first.rank}]"
+        if len(self.ranks) > 1 and line.startswith(own):
+            line = f"[{self.label()}]" + line[len(own):]
+        return line
+
+
+def group_failures(failures: list[RankFailure]) -> list[FailureGroup]:
+    """Group failures that differ only in their rank (and ``Cell In[N]`` numbers),
+    keeping the order of each group's first failure."""
+    groups: dict[tuple, FailureGroup] = {}
+    for f in failures:
+        key = _failure_key(f)
+        if key in groups:
+            groups[key].ranks.append(f.rank)
+        else:
+            groups[key] = FailureGroup([f.rank], f)
+    return list(groups.values())
+
+
+# Per-engine numbers in a traceback: IPython's ``Cell In[12]`` (execution counts
+# differ between engines once a cell ran on some ranks only), the older
+# ``<ipython-input-12-…>`` and ipykernel's per-process temporary directory.
+_PER_ENGINE = (
+    (re.compile(r"In\[\d+\]"), "In[]"),
+    (re.compile(r"ipython-input-\d+-"), "ipython-input--"),
+    (re.compile(r"ipykernel_\d+"), "ipykernel_"),
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _normalise(text: str) -> str:
+    text = _ANSI.sub("", text)
+    for pattern, repl in _PER_ENGINE:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _failure_key(f: RankFailure) -> tuple:
+    return (
+        f.cause,
+        f.ename,
+        _normalise(f.evalue),
+        tuple(_normalise(line) for line in f.traceback),
+        tuple(p.describe() for p in f.pending[-3:]),
+    )
+
+
+def rank_span(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    ordered = sorted(set(ranks))
+    parts = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(parts)
 
 
 class CollectiveTimeout(CellError):

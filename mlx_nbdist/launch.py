@@ -185,6 +185,10 @@ def make_cluster(
     elif launcher == "ssh":
         assert placement is not None
         kwargs.update(ssh_cluster_kwargs(placement, ssh_cmd, scp_cmd, python))
+    else:
+        from ._ipp import engine_set_launcher
+
+        kwargs["engine_launcher_class"] = engine_set_launcher()  # engines keep exit codes
     return ipp.Cluster(**kwargs)
 
 

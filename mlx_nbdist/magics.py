@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import shlex
 import sys
 import threading
@@ -29,6 +30,7 @@ from . import api, autopx, models
 from .errors import MLXDistError, NotStartedError, SetupError, ShardingError
 from .session import Session
 from .viz.cells import display_cell
+from .viz.live import LiveOutput
 from .viz.progress import LiveCell
 
 
@@ -55,8 +57,14 @@ def _positive_int(text: str) -> int:
 
 
 def _ranks(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
+    if "" in parts:
+        what = "no rank given" if not any(parts) else "a comma with no rank after or before it"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {what}; give ranks as numbers separated by commas, e.g. 0,2"
+        )
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give ranks as numbers separated by commas, e.g. 0,2"
@@ -68,9 +76,24 @@ def _seconds(text: str) -> float:
         t = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if t < 0:
-        raise argparse.ArgumentTypeError("must be >= 0 (0 means no deadline)")
+    if not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of seconds >= 0 (0 means no deadline)"
+        )
     return t
+
+
+def _config_timeout(value: float) -> float | None:
+    """``MLXDist.timeout`` as a deadline (``None``: none), or a UsageError saying why
+    the value set with ``%config`` is not one."""
+    if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
+        return float(value) or None
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)
+    raise UsageError(
+        f"%config MLXDist.timeout = {shown} is not a deadline: set a number of seconds "
+        "> 0, or 0 for no deadline (e.g. %config MLXDist.timeout = 300); "
+        "nothing was run"
+    )
 
 
 def _line_parser() -> _Parser:
@@ -180,6 +203,7 @@ class MLXDist(Magics):
         # with hosts, None means one rank per hostfile entry / host / Slurm task
         n = args.n if multi else (args.n or int(self.n))
         backend = args.backend or self.backend
+        timeout = _config_timeout(self.timeout)
         try:
             _wait_for_background_start()
         except UsageError as e:  # the kernel's own start failed: say why, start again
@@ -193,7 +217,7 @@ class MLXDist(Magics):
             hostfile=args.hostfile,
             controller_ip=args.controller_ip,
             python=args.python,
-            timeout=self.timeout or None,
+            timeout=timeout,
             start_timeout=self.start_timeout,
             check_collectives=self.check_collectives,
         ))
@@ -212,9 +236,14 @@ class MLXDist(Magics):
                 )
             print(f"session {s.session_id} is already running: {_describe(s)}")
             return
-        with _Progress() as progress, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self._guard(session.start, progress.update)
+        before = _child_pids()
+        try:
+            with _Progress() as progress, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._guard(session.start, progress.update)
+        except KeyboardInterrupt:
+            # Session.start ended what it had started before re-raising
+            raise UsageError(_interrupted_start(before)) from None
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
         api.set_current_session(session)
@@ -234,8 +263,12 @@ class MLXDist(Magics):
         if args.n:
             s.stop()
             s.n = args.n
-        with _Progress() as progress:
-            self._guard(s.restart, progress.update)
+        before = _child_pids()
+        try:
+            with _Progress() as progress:
+                self._guard(s.restart, progress.update)
+        except KeyboardInterrupt:
+            raise UsageError(_interrupted_start(before, "restart")) from None
         print(_describe(s, ranks=True))
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
@@ -247,12 +280,12 @@ class MLXDist(Magics):
         print(api.format_status(s.status()))
 
     def _cmd_plan(self, args: argparse.Namespace) -> Any:
-        sharding = models.parse_sharding(args.sharding)
+        sharding = self._guard(models.parse_sharding, args.sharding)
         return self._guard(lambda: models.plan(args.model, sharding, segments=args.segments,
                                                 session=self._session()))
 
     def _cmd_shard(self, args: argparse.Namespace) -> Any:
-        sharding = models.parse_sharding(args.sharding)
+        sharding = self._guard(models.parse_sharding, args.sharding)
         table = self._guard(lambda: models.shard(args.model, sharding, segments=args.segments,
                                                  session=self._session()))
         print(f"sharded {args.model!r} across {table.group_size} ranks ({args.sharding})")
@@ -263,16 +296,16 @@ class MLXDist(Magics):
     def _cmd_show(self, args: argparse.Namespace) -> Any:
         s = self._session()
         if args.text:
-            from .viz import format_tensor
-
-            print(format_tensor(models.slices(args.name, max_elements=args.max_elements,
-                                              session=s)))
+            print(self._guard(lambda: models.show_text(args.name, max_elements=args.max_elements,
+                                                       session=s)))
             return None
-        return models.show(args.name, values=not args.no_values,
-                           max_elements=args.max_elements, session=s)
+        return self._guard(lambda: models.show(args.name, values=not args.no_values,
+                                               max_elements=args.max_elements, session=s))
 
     def _cmd_gradsync(self, args: argparse.Namespace) -> Any:
-        result = models.gradsync(args.model, args.step, mode=args.mode, session=self._session())
+        s = self._session()
+        result = self._guard(lambda: models.gradsync(args.model, args.step, mode=args.mode,
+                                                     session=s))
         bad = result.desynced()
         if bad:
             print(f"DESYNC: replicated parameters differ across ranks: {', '.join(bad)}",
@@ -283,7 +316,8 @@ class MLXDist(Magics):
         return result.figure()
 
     def _cmd_check(self, args: argparse.Namespace) -> None:
-        report = models.check(args.model, session=self._session())
+        s = self._session()
+        report = self._guard(lambda: models.check(args.model, session=s))
         print(report, file=sys.stdout if report.ok else sys.stderr)
 
     def _cmd_dashboard(self, args: argparse.Namespace) -> None:
@@ -318,25 +352,46 @@ class MLXDist(Magics):
     # -- cell ---------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
         args = self._parse(_cell_parser(), line)
+        timeout = _config_timeout(self.timeout) if args.timeout is None else args.timeout
         s = self._session()
-        timeout = self.timeout if args.timeout is None else args.timeout
+        try:
+            targets = s.resolve_ranks(args.ranks)
+        except ValueError as e:  # bad --ranks
+            raise UsageError(f"%%mlxdist: {e}") from None
+        # in a kernel each rank's output streams into its own area; in a terminal
+        # (no front end to update a display) it is printed when the cell ends
+        view = None
+        if getattr(self.shell, "kernel", None) is not None:
+            view = LiveOutput(targets, headers=len(targets) > 1, quiet=args.quiet)
         try:
             with LiveCell(s) as live:
+
+                def tick() -> None:
+                    live.tick()
+                    if view is not None:
+                        view.flush()
+
                 result = s.run(
                     cell,
-                    ranks=args.ranks,
+                    ranks=targets,
                     timeout=timeout or None,
                     check_collectives=args.check_collectives,
-                    on_tick=live.tick,
+                    on_tick=tick,
+                    on_output=view,
                 )
-        except ValueError as e:  # bad --ranks
+        except ValueError as e:  # bad --timeout
             raise UsageError(f"%%mlxdist: {e}") from None
         except MLXDistError as e:
             partial = getattr(e, "result", None)
-            if partial is not None:
+            if view is not None:
+                view.finish(partial)
+            elif partial is not None:
                 display_cell(partial, quiet=args.quiet)
             raise
-        display_cell(result, quiet=args.quiet)
+        if view is not None:
+            view.finish(result)
+        else:
+            display_cell(result, quiet=args.quiet)
 
     def _session(self, allow_stopped: bool = False) -> Session:
         _wait_for_background_start()
@@ -354,6 +409,73 @@ class MLXDist(Magics):
             return fn(*a)
         except (SetupError, ShardingError) as e:
             raise UsageError(str(e)) from None
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+# command lines of the processes a start launches (controller and its schedulers,
+# engines and their nannies, mpirun)
+_STARTED = ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun", "mlx_nbdist")
+
+
+def _started_since(before: set[int]) -> list[Any]:
+    """Live processes under this kernel that a start launched since ``before``."""
+    import psutil
+
+    out = []
+    for pid in _child_pids() - before:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE and any(
+                k in " ".join(p.cmdline()) for k in _STARTED
+            ):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0) -> str:
+    """The one line a Ctrl-C during ``%mlxdist start`` (or ``restart``) shows.
+
+    ``Session.start`` tears down what it launched before re-raising; ipyparallel's
+    nannies take a few seconds to follow. What is still there after ``wait`` seconds
+    (an interrupt that landed before the session knew of a process) is ended here, by
+    PID and start time: it is this kernel's child, launched by this start.
+    """
+    import time
+
+    from .processes import end_pids
+
+    t_end = time.monotonic() + wait
+    left = _started_since(before)
+    while left and time.monotonic() < t_end:
+        time.sleep(0.1)
+        left = _started_since(before)
+    if left:
+        pids = []
+        for p in left:
+            try:
+                pids.append((p.pid, p.create_time()))
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+        end_pids(pids)
+        left = _started_since(before)
+    again = "" if what == "start" else " (the session is stopped: %mlxdist restart starts it)"
+    if not left:
+        return f"{what} interrupted; nothing is left running{again}"
+    shown = ", ".join(str(p.pid) for p in left[:8]) + (" …" if len(left) > 8 else "")
+    return (
+        f"{what} interrupted; {len(left)} process(es) it started are still running "
+        f"(pids {shown}): run %mlxdist cleanup{again}"
+    )
 
 
 def _describe(s: Session, ranks: bool = False) -> str:

@@ -95,9 +95,14 @@ def plan(
         from .sharding import plan as _plan
 
         return _plan(model, sharding, group_size=group_size or _group_size(), segments=segments)
-    s = _session(session)
+    return _plan_table(model, sharding, segments, group_size, _session(session), "plan")
+
+
+def _plan_table(model: str, sharding: str | dict[str, str | None], segments: int,
+                group_size: int | None, s: Session, command: str) -> PlanTable:
     n = group_size or s.n
-    got = _unwrap_sharding(s.apply, remote.plan_rows, model, sharding, n, segments, ranks=[0])[0]
+    got = _unwrap(s.apply, remote.plan_rows, model, sharding, n, segments, command,
+                  ranks=[0])[0]
     rows = [PlanRow(**{**r, "full_shape": tuple(r["full_shape"]),
                        "local_shape": tuple(r["local_shape"])}) for r in got["rows"]]
     return PlanTable(rows, n, got["problems"], got["warnings"], got["text"])
@@ -122,14 +127,14 @@ def shard(
         from .sharding import shard as _shard
 
         return _shard(model, sharding, group=current().world, segments=segments)
-    table = plan(model, sharding, segments=segments, session=session)
+    s = _session(session)
+    table = _plan_table(model, sharding, segments, None, s, "shard")
     if table.problems:
         raise ShardingError(
             f"cannot shard {model!r} across {table.group_size} ranks:\n  "
             + "\n  ".join(table.problems)
         )
-    s = _session(session)
-    notes = _unwrap_sharding(s.apply, remote.shard_model, model, sharding, segments)
+    notes = _unwrap(s.apply, remote.shard_model, model, sharding, segments)
     table.warnings = sorted({w for text in notes.values() for w in text.splitlines() if w})
     return table
 
@@ -152,9 +157,9 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
     rx = s.receiver
     with rx.request:  # what the notebook holds must not change while a request is out
         got = sorted(
-            s.apply(
-                remote.slice_of, name, max_elements, s.shm_prefix, socket.gethostname(),
-                tuple(rx.routes), rx.held(),
+            _unwrap(
+                s.apply, remote.slice_of, name, max_elements, s.shm_prefix,
+                socket.gethostname(), tuple(rx.routes), rx.held(), lookup=True,
             ).items()
         )  # fmt: skip
         vm = sum(1 for _, (_m, info, _v) in got if info and info.get("route") == "vm")
@@ -192,13 +197,51 @@ def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,
     from .viz import show_quantized, show_tensor
 
     s = _session(session)
-    if s.apply(remote.is_quantized_layer, name, ranks=[0])[0]:
+    if _unwrap(s.apply, remote.is_quantized_layer, name, ranks=[0], lookup=True)[0]:
         parts = s.apply(remote.quantized_parts, name, ranks=[0])[0]
-        got = {p.rsplit(".", 1)[1]: slices(p, max_elements=max_elements, session=s)
+        got = {p.rsplit(".", 1)[1]: one_tensor(p, slices(p, max_elements=max_elements,
+                                                          session=s), "show")
                for p in parts}
         return show_quantized(got["weight"], got["scales"], got.get("biases"))
-    return show_tensor(slices(name, max_elements=max_elements, session=s), values=values,
-                       title=name)
+    got = one_tensor(name, slices(name, max_elements=max_elements, session=s), "show")
+    return show_tensor(got, values=values, title=name)
+
+
+def show_text(name: str, *, max_elements: int | None = 1 << 20,
+              session: Session | None = None) -> str:
+    """The text form of :func:`show` (``%mlxdist show NAME --text``): a character grid
+    of who holds what and a table of each rank's slice."""
+    from .viz import format_tensor
+
+    got = slices(name, max_elements=max_elements, session=_session(session))
+    return format_tensor(one_tensor(name, got, "show"))
+
+
+def one_tensor(name: str, got: list[TensorSlice], command: str) -> list[TensorSlice]:
+    """``got`` when the ranks' slices describe one tensor (the same full shape and
+    sharded axis on every rank), else a ShardingError that names the ranks that differ."""
+    if not got:
+        return got
+    ordered = sorted(got, key=lambda t: t.rank)
+    first = ordered[0]
+    for t in ordered[1:]:
+        if tuple(t.full_shape) != tuple(first.full_shape):
+            what = "shape" if first.replicated and t.replicated else "full shape"
+            raise ShardingError(
+                f"{name} has {what} {tuple(first.full_shape)} on rank {first.rank} but "
+                f"{tuple(t.full_shape)} on rank {t.rank}: {command} needs one tensor, of "
+                "the same shape on every rank (a parameter of a model, or an array every "
+                "rank holds); to look at each rank's own array, print it in a %%mlxdist cell"
+            )
+        if t.axis != first.axis:
+            def how(x: TensorSlice) -> str:
+                return "replicated" if x.axis is None else f"sharded on axis {x.axis}"
+            raise ShardingError(
+                f"{name} is {how(first)} on rank {first.rank} but {how(t)} on rank {t.rank}: "
+                f"{command} needs the same layout on every rank (was the model sharded on "
+                "every rank?)"
+            )
+    return got
 
 
 @dataclass
@@ -237,7 +280,7 @@ def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | Non
         mode: ``auto``, ``dp`` (average_gradients), ``tp`` or ``fsdp``.
     """
     s = _session(session)
-    got = s.apply(remote.grad_samples, name, step, mode)
+    got = _unwrap(s.apply, remote.grad_samples, name, step, mode, own=True)
     samples = [GradSample(**{**d, "shape": tuple(d["shape"])})
                for _, rows in sorted(got.items()) for d in rows]
     return GradSync(samples)
@@ -270,7 +313,7 @@ class CheckReport:
 def check(name: str, *, rtol: float = 0.0, session: Session | None = None) -> CheckReport:
     """Checksum every replicated parameter on every rank; report ranks that diverged."""
     s = _session(session)
-    sums = s.apply(remote.checksums, name)
+    sums = _unwrap(s.apply, remote.checksums, name, own=True)
     ref = sums[0]
     diverged: dict[str, dict[int, float]] = {}
     for rank, table in sorted(sums.items()):
@@ -282,16 +325,34 @@ def check(name: str, *, rtol: float = 0.0, session: Session | None = None) -> Ch
     return CheckReport(len(ref), diverged)
 
 
-def _unwrap_sharding(apply: Any, *args: Any, **kwargs: Any) -> Any:
-    """Re-raise a rank's ShardingError (or NameError) as the one-line error it is."""
+def _unwrap(apply: Any, *args: Any, own: bool = False, lookup: bool = False,
+            **kwargs: Any) -> Any:
+    """Re-raise a rank's error about the names it was given as the one-line error it is.
+
+    By default a ShardingError, NameError or TypeError (plan, shard); with ``own``
+    only the errors mlx_nbdist raised itself (the commands that run the user's code:
+    a TypeError there keeps its traceback); with ``lookup`` also a KeyError (an unknown
+    parameter path, with close matches).
+    """
     from .errors import CellError
 
     try:
         return apply(*args, **kwargs)
     except CellError as e:
         first = e.failures[0] if e.failures else None
-        if first is not None and first.ename in ("ShardingError", "NameError", "TypeError"):
-            raise ShardingError(f"[rank {first.rank}] {first.evalue}") from None
+        if first is None:
+            raise
+        ours = first.ename in ("ShardingError", "WrongObjectError") or (
+            first.ename == "NameError" and "is not defined on this rank" in first.evalue)
+        if own and not ours:
+            raise
+        if ours or first.ename in ("NameError", "TypeError") or (
+                lookup and first.ename == "KeyError"):
+            text = first.evalue
+            if first.ename == "KeyError" and len(text) > 1 and text[0] == text[-1] == "'":
+                text = text[1:-1]  # str(KeyError(msg)) is repr(msg)
+            where = f"rank {first.rank}" if len(e.groups[0].ranks) == 1 else e.groups[0].label()
+            raise ShardingError(f"[{where}] {text}") from None
         raise
 
 

@@ -1,27 +1,61 @@
 """The processes a session starts: tell them from a reused PID, end them, and find
-those of sessions whose notebook is gone.
+what sessions whose notebook is gone left behind.
 
 A PID alone is not an identity (the kernel reuses them): every check pairs it with
 the process's start time, as recorded when the session started it.
+
+While a notebook runs, its session's :mod:`~mlx_nbdist.watchdog` ends everything if
+the notebook dies. :func:`cleanup` (``%mlxdist cleanup``) is for what is left anyway
+(a session from before the watchdog, a watchdog that was killed too): processes,
+shared-memory segments and rank folders of dead sessions, and old session
+directories.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 
-from . import launch
+from . import launch, watchdog
+
+#: stopped sessions' directories kept by :func:`cleanup` (the newest ones) ...
+KEEP_SESSIONS = 20
+#: ... and for how long after they stopped, in seconds
+KEEP_SECONDS = 24 * 3600
+#: a ring hostfile a rank did not remove (killed inside ``mx.distributed.init``) is
+#: stale after this many seconds
+STALE_HOSTFILE = 3600
+_SESSION_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")  # launch.new_session_id()
+_RANK_FOLDER = re.compile(r"^mlx_nbdist-(.+)-rank(\d+)-[^-]+$")  # bootstrap's mkdtemp
 
 
 def children(pid: int) -> list[int]:
+    """The descendants of ``pid``; for a process that is gone (or a zombie), the
+    processes left in the process group it led (a killed controller's schedulers:
+    while they remain, the kernel gives that group's ID to no new process)."""
     try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        p = psutil.Process(pid)
+        if p.status() != psutil.STATUS_ZOMBIE:
+            return [c.pid for c in p.children(recursive=True)]
     except psutil.Error:
-        return []
+        pass
+    out = []
+    for q in psutil.process_iter():
+        try:
+            if q.pid != pid and os.getpgid(q.pid) == pid:
+                out.append(q.pid)
+        except (OSError, psutil.Error):
+            pass
+    return out
 
 
 def group_members(pgid: int, started: float, marker: str) -> list[tuple[int, float]]:
@@ -65,24 +99,178 @@ def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
+def end_recorded(directory: Path | None, grace: float = 3.0) -> list[int]:
+    """End what a stopping session's record still lists, and remove its files.
+
+    For :meth:`Session.stop`, after the cluster was stopped and before the record
+    is marked stopped: the record written at start lists every process (the
+    controller's schedulers included), so one whose parent died first (a killed
+    controller) is still ended, by PID and start time, with its children and the
+    process groups of those still running. Also removes the session's shared-memory
+    segments and its ranks' private status folders on this machine. Returns the
+    PIDs it ended. Never call it for a session that is still running.
+    """
+    if directory is None:
+        return []
+    rec = watchdog.read_record(directory)
+    if rec is None or rec.get("state") == "stopped":
+        return []
+    pids = watchdog.recorded_pids(rec)
+    pids.update(watchdog.related(pids, set()))
+    live = {p: t for p, t in pids.items() if same_process(p, t)}
+    end_pids(list(live.items()), grace)
+    watchdog.remove_files(watchdog.session_id_of(directory, rec))
+    return sorted(live)
+
+
 def cleanup() -> list[str]:
-    """End the recorded processes of sessions whose notebook process is gone."""
-    ended = []
-    for rec_path in launch.runtime_root().glob("*/session.json"):
+    """End and remove what sessions whose notebook is gone left behind.
+
+    For each session directory under :func:`launch.runtime_root` whose notebook
+    process is gone (a zombie counts as gone): SIGKILL its recorded processes (by
+    PID and start time) with their children and group members, remove its
+    shared-memory segments and rank folders, and mark it stopped. Stopped sessions'
+    leftover files go too, and so do segments, rank folders and ring hostfiles that
+    no session here claims and whose process is gone. Finally the directories of
+    stopped sessions beyond the newest :data:`KEEP_SESSIONS`, or stopped for more
+    than :data:`KEEP_SECONDS`, are removed.
+
+    Returns one line per thing done, e.g. ``session X: ended pids [..], removed 3
+    shared-memory segments, 2 rank folders`` (empty: nothing to clean up).
+    """
+    root = launch.runtime_root()
+    lines = []
+    claimed: set[str] = set()
+    for d in sorted(root.iterdir()):
+        if not d.is_dir() or d.is_symlink():
+            continue
+        claimed.add(d.name)
+        rec = watchdog.read_record(d)
+        if rec is None:
+            continue  # starting (no record yet), or not a session's
+        sid = watchdog.session_id_of(d, rec)
+        claimed.add(sid)
+        if rec.get("state") == "stopped":
+            segs, folders = watchdog.remove_files(sid)  # e.g. ranks killed by a stop
+            done = watchdog.Reaped(sid, [], segs, folders)
+        elif _client_alive(rec):
+            continue
+        else:
+            done = watchdog.reap(d, rec)
+        if done.describe():
+            lines.append(done.describe())
+    segs, folders, hostfiles = _unclaimed(claimed)
+    kinds = (
+        (segs, "shared-memory segment"),
+        (folders, "rank folder"),
+        (hostfiles, "ring hostfile"),
+    )
+    found = [watchdog.count_of(n, what) for n, what in kinds if n]
+    if found:
+        lines.append(f"removed {', '.join(found)} left by sessions with no record")
+    pruned = prune(root)
+    if pruned:
+        dirs = watchdog.count_of(pruned, "old session directory", "old session directories")
+        lines.append(f"removed {dirs}")
+    return lines
+
+
+def _unclaimed(claimed: set[str]) -> tuple[int, int, int]:
+    """Remove segments, rank folders and ring hostfiles of no session in ``claimed``
+    whose process is gone; returns how many of each."""
+    segs = 0
+    if watchdog.SHM_DIR.is_dir():
+        for p in watchdog.SHM_DIR.glob("mlxnb-*"):
+            # mlxnb-<session id>-<creator pid>-<token> (engine.transfer)
+            parts = p.name[len("mlxnb-") :].rsplit("-", 2)
+            if len(parts) != 3 or not parts[1].isdigit() or parts[0] in claimed:
+                continue
+            if _made_by_live(p, int(parts[1])) or not _mine(p):
+                continue
+            try:
+                p.unlink()
+                segs += 1
+            except OSError:
+                pass
+    tmp = Path(tempfile.gettempdir())
+    folders = 0
+    for p in tmp.glob("mlx_nbdist-*-rank*-*"):
+        m = _RANK_FOLDER.match(p.name)
+        if not m or m.group(1) in claimed or p.is_symlink() or not p.is_dir() or not _mine(p):
+            continue
+        status = p / f"rank{m.group(2)}.json"
         try:
-            rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError):
+            pid = int(json.loads(status.read_text()).get("pid", 0))
+            if _made_by_live(status, pid):
+                continue
+        except (OSError, ValueError, AttributeError):
+            if time.time() - _mtime(p) < KEEP_SECONDS:
+                continue  # just made (no status yet), or unreadable: leave it a while
+        shutil.rmtree(p, ignore_errors=True)
+        folders += not p.exists()
+    hostfiles = 0
+    for p in tmp.glob("mlx_nbdist-ring-*.json"):
+        if _mine(p) and time.time() - _mtime(p) > STALE_HOSTFILE:
+            try:
+                p.unlink()
+                hostfiles += 1
+            except OSError:
+                pass
+    return segs, folders, hostfiles
+
+
+def prune(root: Path, keep: int = KEEP_SESSIONS, max_age: float = KEEP_SECONDS) -> int:
+    """Remove the directories of stopped sessions beyond the newest ``keep`` or
+    stopped more than ``max_age`` seconds ago (and of starts that never wrote a
+    record, after ``max_age``); returns how many were removed."""
+    now = time.time()
+    candidates = []
+    for d in root.iterdir():
+        if not d.is_dir() or d.is_symlink():
             continue
-        if _client_alive(rec):
+        rec = watchdog.read_record(d)
+        if rec is None:
+            if _SESSION_NAME.match(d.name) and now - _mtime(d) > max_age:
+                candidates.append((_mtime(d), d))
             continue
-        pids = [(int(p), float(t)) for p, t in rec.get("pids", [])]
-        live = [p for p, t in pids if same_process(p, t)]
-        end_pids(pids)
-        if live:
-            ended.append(f"session {rec['session_id']}: ended pids {live}")
-        rec["state"], rec["pids"] = "stopped", []
-        rec_path.write_text(json.dumps(rec))
-    return ended
+        if rec.get("state") != "stopped":
+            continue
+        if not (_SESSION_NAME.match(d.name) or rec.get("session_id") == d.name):
+            continue
+        candidates.append((_mtime(d / watchdog.RECORD), d))
+    candidates.sort(key=lambda c: c[0], reverse=True)
+    removed = 0
+    for i, (stamp, d) in enumerate(candidates):
+        if i >= keep or now - stamp > max_age:
+            shutil.rmtree(d, ignore_errors=True)
+            removed += not d.exists()
+    return removed
+
+
+def _made_by_live(path: Path, pid: int) -> bool:
+    """``path`` was made by process ``pid``, which still runs (a process that started
+    after the file was last written is another one on a reused PID)."""
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= _mtime(path) + 1.0
+    except psutil.AccessDenied:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _mine(p: Path) -> bool:
+    try:
+        return p.lstat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def same_process(pid: int, started: float) -> bool:
@@ -93,7 +281,8 @@ def same_process(pid: int, started: float) -> bool:
 
 
 def _client_alive(rec: dict[str, Any]) -> bool:
-    return same_process(int(rec.get("client_pid", 0)), float(rec.get("client_started", 0)))
+    """The session's notebook runs (a zombie notebook is dead)."""
+    return watchdog.client_alive(int(rec.get("client_pid", 0)), float(rec.get("client_started", 0)))
 
 
 def remote_kill(launcher: Any, pid: int, sig: int) -> Callable[[], None]:

@@ -105,6 +105,9 @@ class RankOutput:
     result: dict[str, Any] | None = None
     failure: RankFailure | None = None
     duration: float | None = None
+    #: the rank's output area in the order it was written (``mlx_nbdist.streams.Item``):
+    #: stdout and stderr interleaved, displays as last updated
+    items: list[Any] = field(default_factory=list)
 
     @property
     def result_text(self) -> str | None:
@@ -224,7 +227,7 @@ class TensorSlice:
 
     @property
     def nbytes(self) -> int:
-        itemsize = np.dtype(_NUMPY_NAMES.get(self.dtype, "float32")).itemsize
+        itemsize = np.dtype(_NUMPY_NAMES.get(self.dtype, self.dtype)).itemsize
         return int(np.prod(self.shape, dtype=np.int64)) * itemsize
 
 

@@ -31,11 +31,12 @@ from typing import Any
 
 import psutil
 
+from . import _ipp, launch, processes, watchdog
 from . import hosts as _hosts
-from . import launch, processes
 from .engine import bootstrap as _bootstrap
 from .engine import transfer
 from .errors import (
+    CellError,
     NotStartedError,
     SessionBrokenError,
     SetupError,
@@ -50,6 +51,7 @@ from .results import (
     RankInfo,
     RankState,
 )
+from .streams import CellStreams, OutputEvent
 from .supervise import Outcome, Policy, Supervisor, failed
 
 
@@ -207,6 +209,7 @@ class Session:
         self._procs: dict[int, psutil.Process] = {}
         #: the controller and its schedulers, watched while cells run
         self._infra: dict[str, psutil.Process] = {}
+        self._watchdog: int | None = None  # its PID (see mlx_nbdist.watchdog)
         #: the notebook's end of slice transfers (see ``mlx_nbdist.slices``)
         self.receiver = transfer.Receiver()
 
@@ -277,6 +280,8 @@ class Session:
             python=self.python,
         )
         self.cluster.start_controller_sync()
+        self._write_record()  # the controller and its schedulers, for the watchdog
+        self._start_watchdog()
         on = "" if p is None else f" on {p.summary()}"
         say(f"starting {self.n} engines{on} ({self.launcher} launcher)")
         try:
@@ -302,6 +307,13 @@ class Session:
         say(f"joining the MLX group ({self.backend} backend)")
         self._join_group()
         self._write_record()
+
+    def _start_watchdog(self) -> None:
+        """A process that ends this session if this one dies (see mlx_nbdist.watchdog)."""
+        try:
+            self._watchdog = watchdog.start(self.directory)
+        except OSError as e:
+            warnings.warn(f"{e}; if this kernel dies, run %mlxdist cleanup", stacklevel=4)
 
     def _wait_for_engines(self, say: Progress) -> None:
         t_end = time.monotonic() + self.start_timeout
@@ -640,7 +652,11 @@ class Session:
 
     def _forget_processes(self) -> None:
         if self.directory is not None:
+            processes.end_recorded(self.directory)  # e.g. a dead controller's schedulers
             self._write_record(stopped=True)
+        if self._watchdog is not None:
+            watchdog.stop(self._watchdog, self.directory)
+            self._watchdog = None
         if self.session_id:
             transfer.discard(self.shm_prefix)  # slices that never reached the notebook
         self.receiver.close()  # pulled arrays keep their own segments
@@ -893,14 +909,22 @@ class Session:
         started it as this process's child; ``""`` when unknown."""
         pid = self.ranks[rank].pid if rank in self.ranks else None
         for es in self.cluster.engines.values() if self.cluster is not None else []:
+            # an engine whose stop ipyparallel has processed: its launcher is gone
+            stopped = (getattr(es, "stop_data", None) or {}).get("engines", {})
+            for data in stopped.values():
+                if data.get("pid") == pid and isinstance(data.get("exit_code"), int):
+                    return _describe_exit(data["exit_code"])
             for lnch in getattr(es, "launchers", {}).values():
                 proc = getattr(lnch, "process", None)
                 if proc is None or getattr(proc, "pid", None) != pid:
                     continue
-                try:
-                    code = proc.wait(timeout=0.5)
-                except Exception:  # noqa: BLE001 - still running, or not a Popen
-                    return ""
+                code = getattr(proc, "exit_code", None)
+                if code is None:
+                    try:  # reap it here if ipyparallel's waiting thread has not yet
+                        code = proc.wait(timeout=0.5)
+                    except Exception:  # noqa: BLE001 - still running, or reaped elsewhere
+                        code = None
+                    code = getattr(proc, "exit_code", None) if code is None else code
                 return _describe_exit(code)
         return ""
 
@@ -963,6 +987,7 @@ class Session:
         meta: dict[str, Any],
         timeout: float | None,
         on_tick: Callable[[], None] | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> tuple[dict[int, Any], CellResult, Outcome]:
         """Send one cell or apply to ``targets`` and supervise it to the end: the one
         path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says."""
@@ -972,8 +997,12 @@ class Session:
         ar = send(self._view(targets), meta)
         futures = dict(zip(targets, ar._children, strict=True))
         policy = Policy(**{**asdict(self.policy), "timeout": timeout})
-        outcome = Supervisor(self, futures, policy, on_tick, cell=self._cell).wait()
+        outcome = Supervisor(
+            self, futures, policy, on_tick, cell=self._cell, on_poll=on_poll
+        ).wait()
         result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
+        if on_poll is not None:
+            on_poll()  # the output that arrived with the replies
         self._settle_group(result, outcome, futures)
         self._forget(ar)
         raise_for(result, outcome, timeout, self._host_notes(result, outcome))
@@ -983,6 +1012,9 @@ class Session:
         """After a cell: a rank that died breaks the group; the ranks' ledgers must
         agree (unmatched messages are received and dropped); after a drain, a stop
         or a disagreement, the group must prove it is in step, or it is broken."""
+        for f in result.failures:
+            if f.cause == DIED and f.rank in self._procs:
+                f.evalue = self.rank_exit(f.rank) or f.evalue  # ipyparallel said no more
         gone = [f.rank for f in result.failures if f.cause in (DIED, PAUSED)]
         if gone and not outcome.broken:
             outcome.broken = f"rank {', '.join(map(str, gone))} died"
@@ -1023,6 +1055,7 @@ class Session:
         timeout: Any = DEFAULT,
         check_collectives: bool | None = None,
         on_tick: Callable[[], None] | None = None,
+        on_output: Callable[[OutputEvent], None] | None = None,
     ) -> CellResult:
         """Run ``code`` as a cell on the ranks (default all) and collect their output.
 
@@ -1038,6 +1071,10 @@ class Session:
                 collective (default: the session's setting).
             on_tick: called about every 0.25 s while the cell runs (live displays
                 read :meth:`rank_states` from it).
+            on_output: called (in this thread) with every piece of output a rank
+                writes, as it arrives: an :class:`~mlx_nbdist.streams.OutputEvent`
+                (stdout/stderr text in the order written, displays and their
+                updates, clears, the last expression). Each rank's events in order.
 
         Raises:
             CellError: a rank raised, died, or was drained, or the ranks' collectives
@@ -1052,12 +1089,34 @@ class Session:
             self._require()
             targets = self.resolve_ranks(ranks)
 
+            streams = CellStreams(targets)
+            rank_of = {self.ranks[r].engine_id: r for r in targets}
+
             def send(view: Any, meta: dict[str, Any]) -> Any:
-                # the cell's metadata travels as the request's label: one message per rank
-                return view.execute(code, silent=False, block=False, label=json.dumps(meta))
+                # the cell's metadata travels as the request's label: one message per
+                # rank; every output message is handed to ``streams`` as it arrives
+                return _ipp.execute_streaming(
+                    view, code, json.dumps(meta), lambda eid, msg: streams.feed(rank_of[eid], msg)
+                )
+
+            def deliver() -> None:
+                nonlocal on_output
+                if on_output is None or not streams.changed.is_set():
+                    return
+                for ev in streams.take_events():
+                    try:
+                        on_output(ev)
+                    except Exception:  # noqa: BLE001 - a display must never break the cell
+                        on_output = None
+                        return
 
             meta = {"mlxdist": 1, "check": bool(check)}
-            _, result, _ = self._dispatch(targets, send, meta, deadline, on_tick)
+            try:
+                _, result, _ = self._dispatch(targets, send, meta, deadline, on_tick, deliver)
+            except CellError as e:
+                _attach_items(e.result, streams)
+                raise
+            _attach_items(result, streams)
             return result
 
     def apply(
@@ -1198,6 +1257,13 @@ class Session:
 
 
 _STATE_KEYS = set(RankState.__dataclass_fields__) - {"rank"}
+
+
+def _attach_items(result: CellResult, streams: CellStreams) -> None:
+    """Each rank's output area, as it streamed, onto the cell's result."""
+    for r, (_, items, _) in streams.snapshot().items():
+        if r in result.ranks:
+            result.ranks[r].items = items
 
 
 def _check_timeout(timeout: Any) -> float | None:

@@ -108,11 +108,14 @@ class Supervisor:
         policy: Policy,
         on_tick: Callable[[], None] | None = None,
         cell: int = 0,
+        on_poll: Callable[[], None] | None = None,
     ):
         self.s = ranks
         self.futures = futures
         self.policy = policy
         self.on_tick = on_tick
+        #: called every poll (``poll`` seconds): delivers streamed output; cheap
+        self.on_poll = on_poll
         self.cell = cell
         self._last_tick = time.monotonic()  # the first tick after one interval
         self.out = Outcome()
@@ -177,6 +180,8 @@ class Supervisor:
                 if self._handle_failure(pending):
                     break
                 self._wait(pending, self.policy.poll)
+                if self.on_poll is not None:
+                    self.on_poll()
                 self._tick()
         except KeyboardInterrupt:
             self.out.interrupted = True

@@ -13,6 +13,10 @@ import pytest
 from mlx_nbdist import Session
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+#: marks the processes this test run starts (they inherit the environment), so that the
+#: leak checks judge only them, not another test run on the same machine
+RUN_MARK = "MLX_NBDIST_TEST_RUN"
+os.environ.setdefault(RUN_MARK, f"run-{os.getpid()}")
 
 
 def strip_ansi(text: str) -> str:
@@ -95,13 +99,26 @@ def fresh2() -> Iterator[Session]:
 
 
 def _ours_anywhere() -> dict[int, psutil.Process]:
-    """Every ipyparallel/MPI process on the machine (orphans are re-parented to init,
-    so looking only at pytest's descendants would miss them)."""
+    """Every ipyparallel/MPI/watchdog process this test run started, wherever it is
+    now (orphans are re-parented to init, so looking only at pytest's descendants
+    would miss them)."""
+    mark = os.environ[RUN_MARK]
     out = {}
     for p in psutil.process_iter():
-        if is_ours(p):
+        try:
+            mine = p.environ().get(RUN_MARK) == mark
+        except psutil.Error:
+            mine = False
+        if mine and (is_ours(p) or _is_watchdog(p)):
             out[p.pid] = p
     return out
+
+
+def _is_watchdog(p: psutil.Process) -> bool:
+    try:
+        return any("mlx_nbdist.watchdog" in a or "watchdog" in a for a in p.cmdline())
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -92,21 +92,35 @@ class Kernel:
         self.pid: int = km.provisioner.process.pid
 
     def run(self, code: str, timeout: float = 180) -> tuple[str, str, list[dict[str, Any]]]:
-        """(status, text of streams/results/errors, display bundles) of one cell."""
-        text: list[str] = []
-        displays: list[dict[str, Any]] = []
+        """(status, text of streams/results/errors, display bundles) of one cell, as a
+        notebook ends up showing it (displays updated in place by their id)."""
+        outputs: list[dict[str, Any]] = []
+        by_id: dict[str, list[int]] = {}
 
         def hook(msg: dict[str, Any]) -> None:
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
-                text.append(content["text"])
+                outputs.append({"text": content["text"]})
             elif kind == "error":
-                text.append(f"{content['ename']}: {content['evalue']}\n")
+                outputs.append({"text": f"{content['ename']}: {content['evalue']}\n"})
+            elif kind == "update_display_data":
+                did = (content.get("transient") or {}).get("display_id")
+                for i in by_id.get(did, []):
+                    outputs[i]["data"] = content["data"]
             elif kind in ("execute_result", "display_data"):
-                displays.append(content["data"])
-                text.append(content["data"].get("text/plain", "") + "\n")
+                did = (content.get("transient") or {}).get("display_id")
+                if did:
+                    by_id.setdefault(did, []).append(len(outputs))
+                outputs.append({"data": content["data"]})
 
         reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        text, displays = [], []
+        for o in outputs:
+            if "text" in o:
+                text.append(o["text"])
+            elif o["data"].get("text/plain") or len(o["data"]) > 1:
+                displays.append(o["data"])
+                text.append(o["data"].get("text/plain", "") + "\n")
         return reply["content"]["status"], strip_ansi("".join(text)), displays
 
     def shutdown(self) -> None:

@@ -46,9 +46,11 @@ EXPECTED = {
     "01": ["all_sum:    array([3, 3, 3, 3]", "1 has [0, 100, 200]", "every rank holds rank 0's values: True"],
     "02": ["<- wrong", "AllToShardedLinear (256, 128)", "max |y_tp - y_full|", "all_sum shape=(32, 128)"],
     "03": ["DESYNC", "max |average_gradients - gradient of the whole batch|", "diverged on rank 1"],
-    "04": ["all 10 replicated parameters are identical on every rank", "largest loss difference"],
+    "04": ["all 10 replicated parameters are identical on every rank", "largest loss difference",
+           "step 0: loss", "step 79: loss"],
     "05": ["FullyShardedModule", "QuantizedAllToShardedLinear", "sum_scatter not supported"],
     "06": ["Drained", "CollectiveTimeout after", "CellInterrupted after", "engine process died",
+           "never received", "is in step", "exit code 3",
            "collective mismatch", "would wait forever"],
 }
 DOWNLOADS = re.compile(

@@ -82,7 +82,7 @@ class FakeRanks:
         self.drain_plans.append(plan)
         blocked = [r for r in plan if not self.drain_completes.get(r, True)]
         if not blocked:
-            for r, f in self.futures.items():
+            for f in self.futures.values():
                 if not f.done():
                     f.set_result(None)  # the stuck rank returns
         return {r: ["#1 all_sum"] for r in plan if r not in blocked}, blocked

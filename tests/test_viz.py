@@ -429,6 +429,26 @@ def test_format_tensor_1d():
     assert grid == ["0" * 16 + "1" * 16 + "2" * 16 + "3" * 16]
 
 
+@pytest.mark.parametrize(
+    "dtype, numpy_dtype, itemsize",
+    [("float16", np.float16, 2), ("int8", np.int8, 1), ("int32", np.int32, 4),
+     ("bfloat16", np.float32, 2), ("float32", np.float32, 4), ("uint32", np.uint32, 4),
+     ("bool", np.bool_, 1), ("complex64", np.complex64, 8)],
+)
+@pytest.mark.filterwarnings("ignore:Casting complex values")  # the builder's summary
+def test_format_tensor_bytes_follow_the_dtype(dtype, numpy_dtype, itemsize):
+    # bfloat16 arrives as float32 values (numpy has no bfloat16) but is counted as 2 bytes
+    full = np.ones((64, 128), dtype=numpy_dtype)
+    text = format_tensor(shard("w", full, 2, axis=0, dtype=dtype))
+    rows = [ln.split() for ln in text.splitlines() if ln.split()[:2] in (["0", "rows"],
+                                                                        ["1", "rows"])]
+    assert len(rows) == 2
+    local = human_bytes(32 * 128 * itemsize)
+    assert all(r[5] == dtype and " ".join(r[6:8]) == local for r in rows), (local, rows)
+    whole = human_bytes(64 * 128 * itemsize)
+    assert f"total {whole} on 2 ranks; unsharded {whole}" in text.splitlines()
+
+
 # --------------------------------------------------------------------------- gradsync
 
 

@@ -214,7 +214,7 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     if size > 1:
         _check_membership(mx, world, int(cfg["token"]), cfg["session_id"])
 
-    tracker = Tracker(world, rank, size)
+    tracker = Tracker(world, rank, size, backend=backend)
     tracker.install()
     device = str(mx.default_device())
     shared = bool(cfg.get("shared_files", True))

@@ -9,15 +9,23 @@ while the engine is busy running a cell, which is how it knows what a stuck rank
 waiting in, and how its dashboard and progress bars update live.
 
 It also ends the engine (and, on rank 0, the controller) when the notebook's
-process has gone away, so a crashed or killed kernel leaves nothing running.
+process has gone away, so a crashed or killed kernel leaves nothing running. (A
+rank whose cell holds the GIL never runs this thread: the session's
+:mod:`mlx_nbdist.watchdog` process covers that.) A rank that publishes into a
+private folder (it does not see the session directory) removes it when it exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import re
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -81,10 +89,18 @@ class Monitor:
         self._lock = threading.Lock()  # the state, changed by the cell's thread
         self._write_lock = threading.Lock()  # the file
         self._thread = threading.Thread(target=self._loop, name="mlx_nbdist-monitor", daemon=True)
+        #: the rank's own status folder (``bootstrap``'s mkdtemp), removed at exit
+        self.private_dir = self.path.parent if _is_private(self.path.parent, tracker.rank) else None
 
     def start(self) -> None:
         self.publish()
+        if self.private_dir is not None:
+            atexit.register(self.remove_private_dir)
         self._thread.start()
+
+    def remove_private_dir(self) -> None:
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def stop(self) -> None:
         self._stop = True
@@ -177,6 +193,7 @@ class Monitor:
         except psutil.Error:
             mem, cpu = 0, 0.0
         snap.update(
+            main_frame=_main_frame(),
             active_memory=int(mx.get_active_memory()),
             peak_memory=int(mx.get_peak_memory()),
             rss=int(mem),
@@ -217,7 +234,25 @@ class Monitor:
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
+        self.remove_private_dir()
         os._exit(0)
+
+
+def _is_private(folder: Path, rank: int) -> bool:
+    """``folder`` is one ``bootstrap`` made for this rank alone
+    (``<tmp>/mlx_nbdist-<session id>-rank<r>-XXXX``), not the session directory."""
+    return folder.parent == Path(tempfile.gettempdir()) and bool(
+        re.match(rf"^mlx_nbdist-.+-rank{rank}-[^-]+$", folder.name)
+    )
+
+
+def _main_frame() -> str:
+    """Where the engine's main thread is (file, line, instruction): the notebook sees
+    a rank that does not move, e.g. one blocked inside MLX."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_lasti}"
 
 
 def model_summary(name: str) -> dict[str, Any]:

@@ -13,6 +13,11 @@ from typing import Any
 import numpy as np
 
 
+class WrongObjectError(TypeError):
+    """A model command was given the name of the wrong kind of object (an int where it
+    needs a model, a model where it needs an array); the notebook shows it as one line."""
+
+
 def _ns() -> dict[str, Any]:
     from IPython import get_ipython
 
@@ -29,12 +34,35 @@ def resolve(expr: str) -> tuple[Any, str]:
     return ns[head], rest
 
 
-def plan_rows(name: str, sharding: Any, group_size: int, segments: int) -> dict[str, Any]:
+def _a(obj: Any) -> str:
+    """``an int``, ``a Linear``: the object's type for a message."""
+    t = type(obj).__name__
+    return f"{'an' if t[:1].lower() in 'aeiou' else 'a'} {t}"
+
+
+def model_of(name: str, command: str) -> Any:
+    """The ``mlx.nn.Module`` that ``name`` (``model`` or ``model.layers.0``) names,
+    or a :class:`WrongObjectError` saying what it is instead."""
+    import mlx.nn as nn
+
+    obj, rest = resolve(name)
+    if rest and isinstance(obj, nn.Module | list | tuple | dict):
+        obj = _child(obj, rest)
+    if not isinstance(obj, nn.Module):
+        if rest:
+            name = name.partition(".")[0]
+        raise WrongObjectError(
+            f"{name!r} is {_a(obj)}, not a model (an mlx.nn.Module): "
+            f"{command} needs the name of a model on the ranks"
+        )
+    return obj
+
+
+def plan_rows(name: str, sharding: Any, group_size: int, segments: int,
+              command: str = "plan") -> dict[str, Any]:
     from ..sharding import plan
 
-    model, rest = resolve(name)
-    if rest:
-        model = _child(model, rest)
+    model = model_of(name, command)
     p = plan(model, sharding, group_size=group_size, segments=segments)
     return {
         "rows": [asdict(r) for r in p.rows],
@@ -52,9 +80,10 @@ def shard_model(name: str, sharding: Any, segments: int) -> str:
     from .bootstrap import current
 
     ns = _ns()
-    model, rest = resolve(name)
+    _, rest = resolve(name)
     if rest:
         raise ValueError(f"shard takes a model name, not a path: {name!r}")
+    model = model_of(name, "shard")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ns[name] = shard(model, sharding, group=current().world, segments=segments)
@@ -84,13 +113,22 @@ def slice_of(
 
     if held is not None:
         release(held.get(current().rank, []))
-    obj, rest = resolve(expr)
-    if not rest:
-        import mlx.core as mx
+    import mlx.core as mx
+    import mlx.nn as nn
 
-        if not isinstance(obj, mx.array):
-            raise TypeError(f"{expr!r} is a {type(obj).__name__}; name a parameter or an array")
-    sl = local_slice(obj, rest, max_elements=max_elements, group=current().world)
+    obj, rest = resolve(expr)
+    if not rest and not isinstance(obj, mx.array):
+        raise WrongObjectError(
+            f"{expr!r} is {_a(obj)}; name a parameter (model.path.weight) or an mx.array"
+        )
+    if rest and not isinstance(obj, nn.Module):
+        head = expr.partition(".")[0]
+        raise WrongObjectError(
+            f"{head!r} is {_a(obj)}, not a model (an mlx.nn.Module), so {expr!r} is not a "
+            "parameter; name a parameter or an mx.array"
+        )
+    # an array is labelled with its own name (a parameter with its path in the model)
+    sl = local_slice(obj, rest or expr, max_elements=max_elements, group=current().world)
     prefix = shm_prefix if shm_prefix and same_host(client_host) else None
     info, values = (None, None) if sl.data is None else pack(sl.data, prefix, tuple(routes))
     return sl.metadata(), info, values
@@ -106,7 +144,10 @@ def quantized_parts(expr: str) -> list[str]:
 
 def is_quantized_layer(expr: str) -> bool:
     obj, rest = resolve(expr)
-    mod = _child(obj, rest) if rest else obj
+    try:
+        mod = _child(obj, rest) if rest else obj
+    except (AttributeError, LookupError, ValueError, TypeError):
+        return False  # not a layer: slice_of says what it is (with close matches)
     return hasattr(mod, "scales") and hasattr(mod, "bits")
 
 
@@ -116,9 +157,10 @@ def grad_samples(name: str, step: str, mode: str) -> list[dict[str, Any]]:
     from .gradsync import grad_sync
 
     ns = _ns()
-    model, rest = resolve(name)
+    _, rest = resolve(name)
     if rest:
         raise ValueError(f"gradsync takes a model name, not a path: {name!r}")
+    model = model_of(name, "gradsync")
     loss_fn = eval(f"lambda {name}: ({step})", ns)  # noqa: S307 - the user's own expression
     return [asdict(s) for s in grad_sync(model, loss_fn, group=current().world, mode=mode)]
 
@@ -130,9 +172,7 @@ def checksums(name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:
     from ..sharding import param_specs
     from .bootstrap import current
 
-    model, rest = resolve(name)
-    if rest:
-        model = _child(model, rest)
+    model = model_of(name, "check")
     st = current()
     specs = param_specs(model, group_size=st.size, rank=st.rank)
     out = {}

@@ -53,8 +53,9 @@ class Tracker:
     every rank: it can never pair with a later cell's collective.
     """
 
-    def __init__(self, world: Any, rank: int, size: int, history: int = 64):
+    def __init__(self, world: Any, rank: int, size: int, history: int = 64, backend: str = ""):
         self.world = world
+        self.backend = backend
         self.rank = rank
         self.size = size
         self.seq = 0
@@ -138,8 +139,9 @@ class Tracker:
         MLX runs a collective only when its output is evaluated; one issued and left
         unevaluated on some ranks would otherwise run whenever it is evaluated later
         and pair with another cell's collective. Called at the end of every cell.
-        Outputs traced inside ``mx.compile`` cannot be evaluated outside it and are
-        skipped. Returns the records it evaluated.
+        One that cannot be evaluated (a tracer of ``mx.compile``, an op the backend
+        lacks) is skipped: it never runs, so it cannot pair with anything either.
+        Returns the records it evaluated.
         """
         with self._lock:
             held, self._held = self._held, []
@@ -152,10 +154,10 @@ class Tracker:
             for rec, a in pending:
                 try:
                     mx.eval(a)
-                except (RuntimeError, ValueError) as e:
-                    if "primitive" in str(e) or "transform" in str(e).lower():
-                        continue  # a tracer of mx.compile: it runs inside the compiled call
-                    raise
+                except Exception:  # noqa: BLE001 - it did not run, so it cannot pair either
+                    # a tracer of mx.compile (it runs inside the compiled call), an op the
+                    # backend lacks (ring has no sum_scatter), a peer gone: not our error
+                    continue
                 done.append(rec)
         finally:
             self.settling = []
@@ -237,12 +239,20 @@ class Tracker:
         active = self.active_ranks
         if active is None or len(active) >= self.size or group.size() < self.size:
             return None
-        return (
+        others = sorted(set(range(self.size)) - set(active))
+        text = (
             f"{op} over the whole group ({self.size} ranks) from a cell running on "
-            f"ranks {active} only would wait forever for ranks "
-            f"{sorted(set(range(self.size)) - set(active))}. Run the cell on all ranks "
-            "(drop --ranks); with the mpi or nccl backend a subgroup made on every rank "
-            "with world.split() also works (ring has no split)."
+            f"ranks {active} only would wait forever for ranks {others}. "
+            "Run the cell on all ranks (drop --ranks)"
+        )
+        if self.backend in ("mpi", "nccl"):
+            return text + (
+                ", or make a subgroup in a cell on every rank, e.g. "
+                f"sub = world.split(0 if rank in {active} else 1), and pass group=sub."
+            )
+        return (
+            text + f"; the {self.backend or 'ring'} backend has no subgroups "
+            "(world.split() needs mpi or nccl)."
         )
 
     def _gather_check(self, row: list[int], group: Any) -> list[list[int]]:

@@ -218,9 +218,15 @@ def _layout(slices: Sequence[TensorSlice]) -> _Layout:
     full = tuple(int(d) for d in first.full_shape)
     for s in ordered:
         if tuple(s.full_shape) != full:
-            raise ValueError(f"{s.name}: rank {s.rank} has full_shape {s.full_shape}, not {full}")
+            raise ValueError(
+                f"{s.name or 'the tensor'}: full_shape {full} on rank {first.rank} but "
+                f"{tuple(s.full_shape)} on rank {s.rank}: the slices do not describe one tensor"
+            )
         if s.axis != first.axis:
-            raise ValueError(f"{s.name}: rank {s.rank} is sharded on {s.axis}, not {first.axis}")
+            raise ValueError(
+                f"{s.name or 'the tensor'} is sharded on axis {first.axis} on rank "
+                f"{first.rank} but on axis {s.axis} on rank {s.rank} (None: replicated)"
+            )
     if first.axis is not None and not 0 <= first.axis < len(full):
         raise ValueError(f"{first.name}: axis {first.axis} out of range for shape {full}")
     blocks = [] if first.axis is None else [b for s in ordered for b in _slice_blocks(s, full)]
@@ -1047,18 +1053,31 @@ def _slice_rows(layout: _Layout) -> list[list[str]]:
                 _ranges_text(layout, s),
                 str(tuple(s.shape)),
                 s.dtype,
-                human_bytes(s.nbytes),
+                human_bytes(_slice_bytes(s)),
                 *(f"{st[k]:.4g}" if k in st else "-" for k in ("norm", "min", "max")),
             ]
         )
     return rows
 
 
+# MLX dtype names numpy does not know, and their sizes in bytes
+_MLX_ITEMSIZES = {"bfloat16": 2}
+
+
 def _itemsize(dtype: str) -> int:
+    """Bytes per element of an MLX dtype name (``float16`` 2, ``int8`` 1, ``uint32`` 4)."""
+    if dtype in _MLX_ITEMSIZES:
+        return _MLX_ITEMSIZES[dtype]
     try:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
         return 2 if "16" in dtype else 4
+
+
+def _slice_bytes(s: TensorSlice) -> int:
+    """Bytes of a rank's local slice in its own dtype. (Not ``TensorSlice.nbytes``: it
+    counts every dtype but bfloat16 as 4 bytes an element.)"""
+    return int(np.prod(s.shape, dtype=np.int64)) * _itemsize(s.dtype)
 
 
 def format_tensor(slices: list[TensorSlice]) -> str:
@@ -1079,7 +1098,7 @@ def format_tensor(slices: list[TensorSlice]) -> str:
         grid.append(f"* = every rank ({_rank_span(layout.ranks)}) holds the whole tensor")
     headers = ("rank", "ranges", "local shape", "dtype", "bytes", "norm", "min", "max")
     table = _text_table(headers, _slice_rows(layout), align="rlllrrrr")
-    total = sum(s.nbytes for s in layout.slices)
+    total = sum(_slice_bytes(s) for s in layout.slices)
     full = int(np.prod(layout.full_shape)) * _itemsize(layout.dtype)
     footer = (
         f"total {human_bytes(total)} on {len(layout.ranks)} ranks; unsharded {human_bytes(full)}"

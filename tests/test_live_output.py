@@ -1,0 +1,195 @@
+"""Live output (issue #13): every rank's output reaches the front end while the cell
+runs, grouped by rank, in the order written, with displays updated in place.
+
+Through ``Session.run(on_output=...)`` on real engines, and through a real kernel
+(jupyter_client) running the ``%%mlxdist`` magic, whose iopub messages are timed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+from mlx_nbdist import Session
+from mlx_nbdist.streams import Kind, OutputEvent, RankStream, apply_carriage_returns
+
+from .conftest import strip_ansi
+
+# -- the output area model ------------------------------------------------------------
+
+
+def test_carriage_returns_rewrite_the_line() -> None:
+    assert apply_carriage_returns("10%\r50%\r100%\n") == "100%\n"
+    assert apply_carriage_returns("a\r\nb\n") == "a\nb\n"
+    assert apply_carriage_returns("x\ny 1\ry 2") == "x\ny 2"
+
+
+def test_area_keeps_order_updates_displays_and_clears() -> None:
+    area = RankStream(0)
+    area.apply(OutputEvent(0, Kind.STDOUT, text="a\n"))
+    area.apply(OutputEvent(0, Kind.STDERR, text="b\n"))
+    area.apply(OutputEvent(0, Kind.STDOUT, text="c\n"))
+    assert [i.kind for i in area.items] == [Kind.STDOUT, Kind.STDERR, Kind.STDOUT]
+    area.apply(OutputEvent(0, Kind.DISPLAY, data={"text/plain": "v1"}, display_id="d"))
+    area.apply(OutputEvent(0, Kind.UPDATE, data={"text/plain": "v2"}, display_id="d"))
+    assert area.text() == "a\nb\nc\nv2\n"
+    area.apply(OutputEvent(0, Kind.CLEAR, wait=True))
+    assert area.text() == "a\nb\nc\nv2\n"  # wait=True: cleared by the next output
+    area.apply(OutputEvent(0, Kind.STDOUT, text="new\n"))
+    assert area.text() == "new\n"
+    area.apply(OutputEvent(0, Kind.CLEAR))
+    assert area.items == []
+
+
+# -- Session.run(on_output=...) on real engines ------------------------------------------
+
+
+def test_output_arrives_while_the_cell_runs_in_order(session2: Session) -> None:
+    t0 = time.monotonic()
+    events: list[tuple[float, OutputEvent]] = []
+    code = (
+        "import sys, time\n"
+        "for i in range(4):\n"
+        "    print(rank, 'out', i)\n"
+        "    print(rank, 'err', i, file=sys.stderr)\n"
+        "    time.sleep(0.5)\n"
+    )
+    r = session2.run(code, on_output=lambda ev: events.append((time.monotonic() - t0, ev)))
+    end = time.monotonic() - t0
+    assert end >= 2.0
+    first = min(t for t, ev in events if ev.text.startswith("0 out 0"))
+    assert first < end - 1.0, (first, end)  # long before the cell ended
+    for k in (0, 1):
+        text = "".join(ev.text for _, ev in events if ev.rank == k)
+        assert text == "".join(f"{k} out {i}\n{k} err {i}\n" for i in range(4))
+        # the result keeps the area: stdout and stderr interleaved as written
+        assert [i.kind for i in r.ranks[k].items] == [Kind.STDOUT, Kind.STDERR] * 4
+
+
+# -- through a real kernel and the magic --------------------------------------------------
+
+
+class Frontend:
+    """A jupyter_client front end that keeps displays by id, as a notebook does."""
+
+    def __init__(self) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str, timeout: float = 180) -> tuple[str, list[dict[str, Any]], list]:
+        """(status, final outputs, [(seconds, msg_type, text/plain)] as they came)."""
+        outputs: list[dict[str, Any]] = []
+        by_id: dict[str, list[int]] = {}
+        timeline: list[tuple[float, str, str]] = []
+        t0 = time.monotonic()
+
+        def hook(msg: dict[str, Any]) -> None:
+            kind, content = msg["msg_type"], msg["content"]
+            plain = ""
+            if kind == "stream":
+                plain = content["text"]
+                outputs.append({"kind": kind, "text": plain})
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                plain = content["data"].get("text/plain", "")
+                did = (content.get("transient") or {}).get("display_id")
+                if kind == "update_display_data":
+                    for i in by_id.get(did, []):
+                        outputs[i]["data"] = content["data"]
+                else:
+                    by_id.setdefault(did, []).append(len(outputs))
+                    outputs.append({"kind": kind, "data": content["data"]})
+            elif kind == "error":
+                plain = f"{content['ename']}: {content['evalue']}"
+                outputs.append({"kind": kind, "text": plain})
+            timeline.append((time.monotonic() - t0, kind, plain))
+
+        reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        return reply["content"]["status"], outputs, timeline
+
+    def close(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=False)
+
+
+def text_of(outputs: list[dict[str, Any]]) -> str:
+    parts = []
+    for o in outputs:
+        if "text" in o:
+            parts.append(o["text"])
+        elif o["data"].get("text/plain"):
+            parts.append(o["data"]["text/plain"] + "\n")
+    return strip_ansi("".join(parts))
+
+
+@pytest.fixture(scope="module")
+def frontend() -> Iterator[Frontend]:
+    fe = Frontend()
+    status, outputs, _ = fe.run("%load_ext mlx_nbdist\n%mlxdist start -n 2")
+    assert status == "ok", text_of(outputs)
+    yield fe
+    fe.run("%mlxdist stop")
+    fe.close()
+
+
+def test_magic_streams_each_rank_into_its_own_area(frontend: Frontend) -> None:
+    code = (
+        "%%mlxdist\nimport sys, time\n"
+        "for i in range(4):\n"
+        "    print(rank, 'loss', i)\n"
+        "    time.sleep(0.5)\n"
+        "print(rank, 'done', file=sys.stderr)\n"
+    )
+    status, outputs, timeline = frontend.run(code)
+    assert status == "ok"
+    end = timeline[-1][0]
+    seen = [t for t, kind, plain in timeline if "0 loss 0" in plain]
+    assert seen and seen[0] < end - 1.0, timeline  # shown while the cell ran
+    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    assert [a["data"]["text/plain"].splitlines()[0] for a in areas] == ["[rank 0]", "[rank 1]"]
+    for k, area in enumerate(areas):
+        lines = area["data"]["text/plain"].splitlines()[1:]
+        assert lines == [f"{k} loss {i}" for i in range(4)] + [f"{k} done"]
+        assert f"{k} done" in area["data"]["text/html"]
+
+
+def test_display_updates_clear_output_and_figures_in_a_rank_area(frontend: Frontend) -> None:
+    code = (
+        "%%mlxdist --ranks 0\n"
+        "from IPython.display import display, clear_output\n"
+        "import matplotlib.pyplot as plt\n"
+        "h = display('first', display_id=True)\n"
+        "h.update('second')\n"
+        "for i in range(3):\n"
+        "    clear_output(wait=True)\n"
+        "    fig, ax = plt.subplots(figsize=(2, 1))\n"
+        "    ax.plot([0, i])\n"
+        "    display(fig)\n"
+        "    plt.close(fig)\n"
+        "    print('frame', i)\n"
+    )
+    status, outputs, _ = frontend.run(code)
+    assert status == "ok", text_of(outputs)
+    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    assert len(areas) == 1
+    html = areas[0]["data"]["text/html"]
+    assert html.count("<img") == 1 and "frame 2" in html and "frame 1" not in html
+    assert "second" not in html  # cleared with the rest
+
+
+def test_quiet_shows_only_failing_ranks(frontend: Frontend) -> None:
+    status, outputs, _ = frontend.run(
+        "%%mlxdist --quiet\nprint('hello', rank)\nif rank == 1:\n    raise ValueError('bad')"
+    )
+    assert status == "error"
+    text = text_of(outputs)
+    assert "hello 1" in text and "hello 0" not in text
+    assert "ValueError: bad" in text
