@@ -234,6 +234,11 @@ class MLXDist(Magics):
                     f"a session of {s.n} ranks ({s.backend}/{s.launcher}) is already running; "
                     f"to get {session.n} ranks ({session.backend}/{session.launcher}) use {hint}"
                 )
+            if s.status().state == "broken":
+                raise UsageError(
+                    f"session {s.session_id} is broken ({s.broken_reason}): "
+                    "run %mlxdist restart to get new engines"
+                )
             print(f"session {s.session_id} is already running: {_describe(s)}")
             return
         before = _child_pids()

@@ -109,3 +109,28 @@ def test_config_sets_defaults(ip, capfd) -> None:
     magics = next(m for m in ip.configurables if type(m).__name__ == "MLXDist")
     assert magics.timeout == 42.0
     ip.run_line_magic("config", "MLXDist.timeout = 300.0")
+
+
+def test_start_on_a_broken_session_says_restart(ip, capfd) -> None:
+    import os
+    import signal
+
+    from .conftest import wait_gone
+
+    res, out, _ = run(ip, "%mlxdist start -n 2", capfd)
+    assert res.success, out
+    s = api.current_session()
+    victim = s.ranks[1].pid
+    os.kill(victim, signal.SIGKILL)
+    assert wait_gone([victim]) == []
+    res, out, err = run(ip, "%mlxdist start -n 2", capfd)
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "broken" in out + err and "%mlxdist restart" in out + err
+    assert "already running" not in out + err
+    res, out, _ = run(ip, "%mlxdist status", capfd)
+    assert "broken" in out and "rank 1" in out
+    res, out, _ = run(ip, "%mlxdist restart", capfd)
+    assert res.success, out
+    res, out, _ = run(ip, "%%mlxdist\nprint(mx.distributed.all_sum(mx.ones(1), group=world).item())", capfd)
+    assert res.success and out.count("2.0") == 2
+    run(ip, "%mlxdist stop", capfd)
