@@ -28,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
 
+from mlx_nbdist.errors import rank_span
 from mlx_nbdist.results import PlanRow, TensorSlice
 
 #: Largest heatmap side in pixels; bigger tensors are block-averaged down to it.
@@ -91,20 +92,6 @@ def rank_color(rank: int) -> tuple[float, float, float]:
 def _text_color(background: tuple[float, ...]) -> str:
     r, g, b = background[:3]
     return "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
-
-
-def _rank_span(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``0-3``; ``[0, 2, 3]`` -> ``0, 2-3``."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ", ".join(parts)
 
 
 def human_bytes(n: float) -> str:
@@ -512,7 +499,7 @@ def _block_lines(layout: _Layout, block: _Block, first: bool) -> list[str]:
 
 def _replicated_lines(layout: _Layout) -> list[str]:
     shape = f"{layout.full_shape} each" if layout.full_shape else "scalar"
-    lines = ["replicated", f"on ranks {_rank_span(layout.ranks)}", shape]
+    lines = ["replicated", f"on ranks {rank_span(layout.ranks)}", shape]
     s = layout.slices[0]
     if s.data is None:
         lines += _stats_lines(_stats(s))
@@ -764,7 +751,7 @@ def _draw_outlines(ax: Axes, layout: _Layout) -> None:
             edgecolor="black",
             linewidth=1.5,
         )
-        _draw_tag(ax, (0, rows, 0, cols), f"replicated {_rank_span(layout.ranks)}", None)
+        _draw_tag(ax, (0, rows, 0, cols), f"replicated {rank_span(layout.ranks)}", None)
         return
     for block in layout.blocks:
         color = rank_color(block.rank)
@@ -816,7 +803,7 @@ def _title_lines(layout: _Layout, heat: _Heat | None, title: str | None) -> tupl
     lines = [title or f"{layout.name}  {layout.full_shape} {layout.dtype}"]
     if layout.replicated:
         lines.append(
-            f"replicated on ranks {_rank_span(layout.ranks)} (each holds the whole tensor)"
+            f"replicated on ranks {rank_span(layout.ranks)} (each holds the whole tensor)"
         )
     else:
         mode = f"sharded on axis {layout.axis} over {len(layout.ranks)} ranks"
@@ -994,14 +981,14 @@ def _quantized_title(layouts: Sequence[_Layout], names: Sequence[str]) -> tuple[
     base = w.name[: -len(".weight")] if w.name.endswith(".weight") else w.name
     lines = [f"{base}  quantized"]
     if w.replicated:
-        lines.append(f"replicated on ranks {_rank_span(w.ranks)}")
+        lines.append(f"replicated on ranks {rank_span(w.ranks)}")
     else:
         lines.append(f"sharded on axis {w.axis} over {len(w.ranks)} ranks")
     problems = []
     for lay, name in zip(layouts[1:], names[1:], strict=True):
         bad = _same_split(w, lay)
         if bad:
-            problems.append(f"{name} NOT split like the weight on ranks {_rank_span(bad)}")
+            problems.append(f"{name} NOT split like the weight on ranks {rank_span(bad)}")
     return lines + problems, bool(problems)
 
 
@@ -1095,7 +1082,7 @@ def format_tensor(slices: list[TensorSlice]) -> str:
     lines, _ = _title_lines(layout, None, None)
     grid = _char_grid(layout)
     if layout.replicated:
-        grid.append(f"* = every rank ({_rank_span(layout.ranks)}) holds the whole tensor")
+        grid.append(f"* = every rank ({rank_span(layout.ranks)}) holds the whole tensor")
     headers = ("rank", "ranges", "local shape", "dtype", "bytes", "norm", "min", "max")
     table = _text_table(headers, _slice_rows(layout), align="rlllrrrr")
     total = sum(_slice_bytes(s) for s in layout.slices)
