@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import collectives  # noqa: E402
+import live_output  # noqa: E402
 import roundtrip  # noqa: E402
 import slices  # noqa: E402
 import startup  # noqa: E402
@@ -26,6 +27,7 @@ BENCHES = {
     "slices": slices,
     "startup": startup,
     "tp_step": tp_step,
+    "live_output": live_output,
 }
 DOC = Path(__file__).parent.parent / "docs" / "performance.md"
 
@@ -104,12 +106,54 @@ def section_tp(d: dict) -> list[str]:
     return out + [""]
 
 
+def section_live_output(d: dict) -> list[str]:
+    rt, lat = d["round trip"], d["latency"]
+    out = ["## Live output (through a real kernel)", "",
+           "A jupyter_client front end runs a `python3` kernel with a 2-rank session; `%%px` "
+           "targets the same engines. Each rank prints `time.time()` stamps; latency = when "
+           "the first iopub message holding a stamp reaches the front end - the stamp. "
+           "Cells interleaved, both paths on the same engines.", "",
+           "| lines written | path | median | p95 | median / own round trip | "
+           "messages per cell |", "|---|---|---|---|---|---|"]
+    missing = []
+    for cadence, row in lat.items():
+        for path in ("%%mlxdist", "%%px --stream"):
+            st = row[path]
+            out.append(f"| {cadence} | {path} | {ms(st['median'])} | {ms(st['p95'])} | "
+                       f"{st['of own round trip']:.2f}x | {st['messages per cell']:.0f} |")
+            if st.get("stamps never seen"):
+                missing.append(f"{cadence}, {path}: {st['stamps never seen']}")
+    if missing:
+        out += ["", "Stamps that never reached the front end: " + "; ".join(missing)]
+    out += ["", "Where the `%%mlxdist` latency goes (median / p95; timed inside the kernel):", "",
+            "| lines written | rank -> kernel's IO thread | IO thread -> live view (poll) | "
+            "live view -> front end (throttle, render) | supervisor loop period |",
+            "|---|---|---|---|---|"]
+    for cadence, row in lat.items():
+        legs = row["%%mlxdist legs"]
+        cells = [f"{ms(legs[k]['median'])} / {ms(legs[k]['p95'])}" if k in legs else "-"
+                 for k in ("rank -> kernel IO thread", "IO thread -> live view (poll)",
+                           "live view -> front end")]
+        loop = row["supervisor poll period"]
+        out.append(f"| {cadence} | " + " | ".join(cells)
+                   + f" | {ms(loop['median'])} / {ms(loop['p95'])} |")
+    base = "%%px --stream"
+    out += ["", f"Round trip of a trivial cell (`pass`), streaming on, {rt[base]['n']} runs of "
+            "each path interleaved, execute_request to execute_reply at the front end:", "",
+            "| path | median | p95 | vs `%%px --stream` |", "|---|---|---|---|"]
+    for path, st in rt.items():
+        out.append(f"| {path} | {ms(st['median'])} | {ms(st['p95'])} | "
+                   f"{st['median'] / rt[base]['median']:.2f}x |")
+    return out + [""]
+
+
 SECTIONS = {
     "roundtrip": section_roundtrip,
     "collectives": section_collectives,
     "slices": section_slices,
     "startup": section_startup,
     "tp_step": section_tp,
+    "live_output": section_live_output,
 }
 
 

@@ -371,18 +371,13 @@ class MLXDist(Magics):
         try:
             with LiveCell(s) as live:
 
-                def tick() -> None:
-                    live.tick()
-                    if view is not None:
-                        view.flush()
-
                 result = s.run(
                     cell,
                     ranks=targets,
                     timeout=timeout or None,
                     check_collectives=args.check_collectives,
-                    on_tick=tick,
-                    on_output=view,
+                    on_tick=live.tick,
+                    on_output=view,  # its flush() shows throttled updates on each poll
                 )
         except ValueError as e:  # bad --timeout
             raise UsageError(f"%%mlxdist: {e}") from None

@@ -988,6 +988,7 @@ class Session:
         timeout: float | None,
         on_tick: Callable[[], None] | None = None,
         on_poll: Callable[[], None] | None = None,
+        wake: threading.Event | None = None,
     ) -> tuple[dict[int, Any], CellResult, Outcome]:
         """Send one cell or apply to ``targets`` and supervise it to the end: the one
         path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says."""
@@ -998,7 +999,7 @@ class Session:
         futures = dict(zip(targets, ar._children, strict=True))
         policy = Policy(**{**asdict(self.policy), "timeout": timeout})
         outcome = Supervisor(
-            self, futures, policy, on_tick, cell=self._cell, on_poll=on_poll
+            self, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
         ).wait()
         result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
         if on_poll is not None:
@@ -1075,6 +1076,8 @@ class Session:
                 writes, as it arrives: an :class:`~mlx_nbdist.streams.OutputEvent`
                 (stdout/stderr text in the order written, displays and their
                 updates, clears, the last expression). Each rank's events in order.
+                If it has a ``flush()`` method, that is called on every poll (about
+                every 20 ms), e.g. to show updates a display held back.
 
         Raises:
             CellError: a rank raised, died, or was drained, or the ranks' collectives
@@ -1101,18 +1104,22 @@ class Session:
 
             def deliver() -> None:
                 nonlocal on_output
-                if on_output is None or not streams.changed.is_set():
+                if on_output is None:
                     return
-                for ev in streams.take_events():
-                    try:
+                try:
+                    for ev in streams.take_events():
                         on_output(ev)
-                    except Exception:  # noqa: BLE001 - a display must never break the cell
-                        on_output = None
-                        return
+                    flush = getattr(on_output, "flush", None)
+                    if flush is not None:
+                        flush()
+                except Exception:  # noqa: BLE001 - a display must never break the cell
+                    on_output = None
 
             meta = {"mlxdist": 1, "check": bool(check)}
             try:
-                _, result, _ = self._dispatch(targets, send, meta, deadline, on_tick, deliver)
+                _, result, _ = self._dispatch(
+                    targets, send, meta, deadline, on_tick, deliver, streams.changed
+                )
             except CellError as e:
                 _attach_items(e.result, streams)
                 raise

@@ -160,6 +160,7 @@ class CellStreams:
         self.ranks = {r: RankStream(r) for r in ranks}
         self._lock = threading.Lock()
         self._new: list[OutputEvent] = []
+        #: set when output arrives: wakes whoever delivers it (the supervisor)
         self.changed = threading.Event()
 
     def feed(self, rank: int, msg: dict[str, Any]) -> None:
@@ -176,7 +177,6 @@ class CellStreams:
         """The events since the last call (in arrival order)."""
         with self._lock:
             new, self._new = self._new, []
-            self.changed.clear()
         return new
 
     def snapshot(self) -> dict[int, tuple[int, list[Item], str]]:

@@ -25,6 +25,7 @@ the session is then marked broken and needs ``restart``.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -109,13 +110,19 @@ class Supervisor:
         on_tick: Callable[[], None] | None = None,
         cell: int = 0,
         on_poll: Callable[[], None] | None = None,
+        wake: threading.Event | None = None,
     ):
         self.s = ranks
         self.futures = futures
         self.policy = policy
         self.on_tick = on_tick
-        #: called every poll (``poll`` seconds): delivers streamed output; cheap
+        #: called every poll (``poll`` seconds), and at once when ``wake`` is set
+        #: (streamed output arrived): delivers that output; cheap
         self.on_poll = on_poll
+        self.wake = wake
+        if wake is not None:
+            for fut in futures.values():
+                fut.add_done_callback(lambda _f: wake.set())
         self.cell = cell
         self._last_tick = time.monotonic()  # the first tick after one interval
         self.out = Outcome()
@@ -136,7 +143,14 @@ class Supervisor:
         return [r for r, f in self.futures.items() if f.done() and failed(f)]
 
     def _wait(self, ranks: list[int], timeout: float) -> None:
-        wait_futures([self.futures[r] for r in ranks], timeout=timeout, return_when=FIRST_COMPLETED)
+        """Until one of ``ranks`` finishes (or, with ``wake``, anything arrives)."""
+        if self.wake is None:
+            futs = [self.futures[r] for r in ranks]
+            wait_futures(futs, timeout=timeout, return_when=FIRST_COMPLETED)
+            return
+        if not any(self.futures[r].done() for r in ranks):
+            self.wake.wait(timeout)
+        self.wake.clear()
 
     def _cell_records(self, rank: int) -> list[CollectiveRecord]:
         """The collectives ``rank`` issued in this cell, as far as its status file says."""
