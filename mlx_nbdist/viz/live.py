@@ -19,6 +19,7 @@ from typing import Any
 
 from ..results import OK, CellResult
 from ..streams import Item, Kind, OutputEvent, RankStream
+from .progress import rank_hex
 
 #: at most this many re-renders of one rank's area per second while a cell runs
 MAX_UPDATES_PER_SECOND = 10
@@ -99,9 +100,8 @@ class LiveOutput:
         parts = [_html_item(rank, item) for item in stream.items]
         if self.headers:
             plain = self._header(rank) + "\n" + plain
-            parts.insert(
-                0, f'<div style="font-weight:bold">{html.escape(self._header(rank))}</div>'
-            )
+            style = f"font-weight:bold;font-family:monospace;padding:1px 4px;color:{rank_hex(rank)}"
+            parts.insert(0, f'<div style="{style}">{html.escape(self._header(rank))}</div>')
         return {
             "text/plain": plain.rstrip("\n"),
             "text/html": f'<div class="mlx-nbdist-rank" data-rank="{rank}">{"".join(parts)}</div>',
