@@ -102,10 +102,10 @@ def _abort_start(session: Any, budget: float = 2.0) -> None:
     from . import magics
     from .processes import end_pids
 
-    thread = magics._STARTING.get("thread")
+    thread = magics.background_start()
     t_end = time.monotonic() + budget
     while thread is not None and thread.is_alive() and time.monotonic() < t_end:
-        pids = session._recorded_pids()
+        pids = session.processes()
         if pids:
             end_pids(pids, grace=0.5)
         thread.join(0.1)

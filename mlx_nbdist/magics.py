@@ -545,11 +545,9 @@ def _wait_for_background_start() -> None:
         )
 
 
-def stop_background_start(timeout: float = 60.0) -> None:
-    """Wait for a background start to finish (so that stopping catches its processes)."""
-    thread = _STARTING.get("thread")
-    if thread is not None:
-        thread.join(timeout)
+def background_start() -> threading.Thread | None:
+    """The thread of a start begun by :func:`start_in_background`, while it is known."""
+    return _STARTING.get("thread")
 
 
 class _Progress:

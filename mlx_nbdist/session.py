@@ -194,6 +194,8 @@ class Session:
         self.assume_remote = assume_remote
         self.policy = Policy()
         self._state = STOPPED
+        #: True while :meth:`stop` ends the processes (ranks are going, not dead)
+        self.stopping = False
         #: one cell, apply or push at a time: a second caller (another thread, a
         #: kernel subshell) waits, so two cells' collectives never interleave
         self._run_lock = threading.RLock()
@@ -606,10 +608,12 @@ class Session:
         """
         if self._state == STOPPED and self.cluster is None:
             return
+        self.stopping = True
         try:
             self._teardown()
         finally:
             self._state = STOPPED
+            self.stopping = False
             _LIVE.discard(self)
 
     def restart(self, progress: Progress | None = None) -> Session:
@@ -624,7 +628,7 @@ class Session:
             except Exception:  # noqa: BLE001
                 pass
         if self.cluster is not None:
-            pids = self._recorded_pids()
+            pids = self.processes()
             cpid = self._controller_pid()
             c_started = next((t for p, t in pids if p == cpid), None)
             if self._state == BROKEN and self.ranks:
@@ -681,7 +685,10 @@ class Session:
         proc = getattr(getattr(self.cluster, "controller", None), "process", None)
         return getattr(proc, "pid", None)
 
-    def _recorded_pids(self) -> list[tuple[int, float]]:
+    def processes(self) -> list[tuple[int, float]]:
+        """``(pid, start time)`` of every local process this session started and that
+        still runs: engines and their nannies, the controller and its schedulers,
+        the launchers' processes."""
         pids: list[int] = []
         for p in self._procs.values():  # each engine with ipyparallel's nanny that watches it
             pids += [p.pid, *processes.children(p.pid)]
@@ -714,7 +721,7 @@ class Session:
             "backend": self.backend,
             "launcher": self.launcher,
             "state": str(STOPPED if stopped else self._state),
-            "pids": [] if stopped else self._recorded_pids(),
+            "pids": [] if stopped else self.processes(),
             "controller_ip": self.controller_ip,
             # ranks on other machines: cleanup cannot end them by PID from here
             "remote": {
@@ -1236,6 +1243,11 @@ class Session:
                 st.state = "unknown"  # its status file is on its own host
             out[r] = st
         return out
+
+    @property
+    def cell(self) -> int:
+        """The number of the last cell (or apply) sent to the ranks; 0 before any."""
+        return self._cell
 
     @property
     def uptime(self) -> float:

@@ -80,7 +80,7 @@ def session_ports(s: Session) -> set[int]:
 
 
 def session_pids(s: Session) -> list[int]:
-    return [pid for pid, _ in s._recorded_pids()]
+    return [pid for pid, _ in s.processes()]
 
 
 @pytest.fixture(scope="module")

@@ -222,7 +222,7 @@ def test_kernel_death_leaves_nothing_running(tmp_path) -> None:
         "import json, sys, time\n"
         "from mlx_nbdist import Session\n"
         "s = Session(2).start()\n"
-        "print(json.dumps([p for p, _ in s._recorded_pids()]), flush=True)\n"
+        "print(json.dumps([p for p, _ in s.processes()]), flush=True)\n"
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -293,7 +293,7 @@ def test_interpreter_exit_without_stop_leaves_nothing(tmp_path) -> None:
         "from mlx_nbdist import Session\n"
         "s = Session(2).start()\n"
         "s.run('mx.eval(mx.distributed.all_sum(mx.ones(1), group=world))')\n"
-        "print(json.dumps([p for p, _ in s._recorded_pids()]), flush=True)\n"
+        "print(json.dumps([p for p, _ in s.processes()]), flush=True)\n"
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -157,7 +157,7 @@ PIDS = (
     "%%local\n"
     "import mlx_nbdist\n"
     "s = mlx_nbdist.current_session()\n"
-    "print('PIDS', *[p for p, _ in s._recorded_pids()])"
+    "print('PIDS', *[p for p, _ in s.processes()])"
 )
 
 

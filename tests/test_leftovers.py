@@ -92,7 +92,7 @@ def guard(s):
 
 
 def report(s, wd, **more):
-    out = dict(pids=s._recorded_pids(), sid=s.session_id, dir=str(s.directory),
+    out = dict(pids=s.processes(), sid=s.session_id, dir=str(s.directory),
                ranks={r: i.pid for r, i in s.ranks.items()}, watchdog=wd, **more)
     print(json.dumps(out), flush=True)
     time.sleep(600)

@@ -419,7 +419,7 @@ class Dashboard:
                 )
                 now = time.time()
                 sstate = s.state
-                if sstate in ("ready", "broken") and getattr(s.client, "_closed", False):
+                if sstate in ("ready", "broken") and s.stopping:
                     sstate = "stopped"  # stop() is ending the engines: not dead ranks
                 for r, st in states.items():
                     vals = rank_values(

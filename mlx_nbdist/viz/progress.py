@@ -309,9 +309,11 @@ class LiveCell:
         self._text_at = 0.0
         self._text_len = 0
         self.cell: int | None = None
+        self._before = 0  # the session's last cell when this one was entered
 
     def __enter__(self) -> LiveCell:
         _RUNNING[id(self.session)] = self
+        self._before = self.session.cell
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -372,8 +374,12 @@ class LiveCell:
         return all(e.get("done") for per in bars.values() for e in per.values())
 
     def _cell(self) -> int:
+        """This cell's number; -1 (no bars) while it was not sent to the ranks (a
+        cell that failed before dispatch must not show the previous cell's bars)."""
         if self.cell is None:
-            self.cell = int(getattr(self.session, "_cell", 0))
+            if self.session.cell <= self._before:
+                return -1
+            self.cell = self.session.cell
         return self.cell
 
     def _refresh(self, final: bool = False) -> None:
