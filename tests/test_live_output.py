@@ -193,3 +193,23 @@ def test_quiet_shows_only_failing_ranks(frontend: Frontend) -> None:
     text = text_of(outputs)
     assert "hello 1" in text and "hello 0" not in text
     assert "ValueError: bad" in text
+
+
+def test_many_tiny_prints_and_progress_lines_are_bounded_in_messages(frontend: Frontend) -> None:
+    code = (
+        "%%mlxdist\nimport sys\n"
+        "for i in range(10000):\n    print(i)\n"
+        "for p in range(0, 101, 10):\n    print(f'\\r{p}%', end='')\n"
+        "print()\nprint('bad bytes:', b'\\xff\\xfe'.decode('utf-8', 'surrogateescape'))\n"
+    )
+    status, outputs, timeline = frontend.run(code)
+    assert status == "ok", text_of(outputs)
+    updates = [t for t in timeline if t[1] in ("display_data", "update_display_data")]
+    assert len(updates) < 200  # not one message per print
+    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    for k, area in enumerate(areas):
+        lines = area["data"]["text/plain"].splitlines()
+        assert lines[0] == f"[rank {k}]"
+        assert lines[1:10001] == [str(i) for i in range(10000)]
+        assert lines[10001] == "100%"  # the progress line rewrote itself
+        assert lines[10002].startswith("bad bytes:")

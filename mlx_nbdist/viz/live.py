@@ -23,6 +23,9 @@ from .progress import rank_hex
 
 #: at most this many re-renders of one rank's area per second while a cell runs
 MAX_UPDATES_PER_SECOND = 10
+#: a large area is re-sent whole on each update: at most this many bytes per second
+#: per rank (a 1 MiB area then updates about every 0.5 s), so the browser keeps up
+MAX_BYTES_PER_SECOND = 2_000_000
 
 
 class LiveOutput:
@@ -37,6 +40,7 @@ class LiveOutput:
         self._handles: dict[int, Any] = {}
         self._shown: dict[int, int] = {}
         self._at: dict[int, float] = {}
+        self._size: dict[int, int] = {}  # characters last sent, per rank
 
     def __call__(self, ev: OutputEvent) -> None:
         self.streams[ev.rank].apply(ev)
@@ -69,13 +73,15 @@ class LiveOutput:
         if self._shown.get(rank) == key:
             return
         now = time.monotonic()
-        if not force and now - self._at.get(rank, 0.0) < 1.0 / MAX_UPDATES_PER_SECOND:
+        interval = max(1.0 / MAX_UPDATES_PER_SECOND, self._size.get(rank, 0) / MAX_BYTES_PER_SECOND)
+        if not force and now - self._at.get(rank, 0.0) < interval:
             return
         if rank not in self._handles and not self._visible(rank):
             return
         self._ensure_handles(rank)
         bundle = self._bundle(rank) if self._visible(rank) else {"text/plain": ""}
         self._handles[rank].update(bundle, raw=True)
+        self._size[rank] = sum(len(v) for v in bundle.values())
         self._shown[rank] = key
         self._at[rank] = now
 
