@@ -24,7 +24,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Float, Integer, Unicode
 
 from . import api, autopx, models
 from .errors import MLXDistError, NotStartedError, SetupError, ShardingError
@@ -163,6 +163,11 @@ class MLXDist(Magics):
     start_timeout = Float(120.0, help="how long start may take").tag(config=True)
     check_collectives = Bool(
         False, help="check op/shape/dtype across ranks before each collective"
+    ).tag(config=True)
+    output_limit = Integer(
+        1 << 20,
+        help="characters of a cell's output per rank shown in the notebook (0: all); the "
+        "rest is kept in a file in the session directory, and a line says where",
     ).tag(config=True)
 
     # -- entry point ----------------------------------------------------------------
@@ -378,6 +383,7 @@ class MLXDist(Magics):
                     check_collectives=args.check_collectives,
                     on_tick=live.tick,
                     on_output=view,  # its flush() shows throttled updates on each poll
+                    output_limit=self.output_limit,
                 )
         except ValueError as e:  # bad --timeout
             raise UsageError(f"%%mlxdist: {e}") from None

@@ -184,6 +184,8 @@ class Session:
             "mpi" if backend == "mpi" else ("ssh" if self.placement is not None else "local")
         )
         self.timeout = _check_timeout(timeout)
+        #: characters of a cell's output per rank that reach the notebook (0: all)
+        self.output_limit = 1 << 20
         self.start_timeout = start_timeout
         self.check_collectives = check_collectives
         self.controller_ip_requested = controller_ip
@@ -1064,6 +1066,7 @@ class Session:
         check_collectives: bool | None = None,
         on_tick: Callable[[], None] | None = None,
         on_output: Callable[[OutputEvent], None] | None = None,
+        output_limit: int | None = None,
     ) -> CellResult:
         """Run ``code`` as a cell on the ranks (default all) and collect their output.
 
@@ -1085,6 +1088,9 @@ class Session:
                 updates, clears, the last expression). Each rank's events in order.
                 If it has a ``flush()`` method, that is called on every poll (about
                 every 20 ms), e.g. to show updates a display held back.
+            output_limit: characters of output per rank that reach the notebook
+                (default: the session's ``output_limit``, 1 MiB; 0: no limit); the
+                rest goes to a file in the session directory, and a line says where.
 
         Raises:
             CellError: a rank raised, died, or was drained, or the ranks' collectives
@@ -1122,7 +1128,8 @@ class Session:
                 except Exception:  # noqa: BLE001 - a display must never break the cell
                     on_output = None
 
-            meta = {"mlxdist": 1, "check": bool(check)}
+            limit = self.output_limit if output_limit is None else int(output_limit)
+            meta = {"mlxdist": 1, "check": bool(check), "output_limit": limit}
             try:
                 _, result, _ = self._dispatch(
                     targets, send, meta, deadline, on_tick, deliver, streams.changed

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import output as _output
 from .monitor import Monitor
 from .tracker import Tracker
 
@@ -233,6 +234,7 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         device=device,
     )
     _STATE = EngineState(world, rank, size, cfg["session_id"], tracker, monitor)
+    _output.install(status_dir, rank)
     _prepare_shell(mx, nn, _STATE)
     monitor.start()
     return {
@@ -301,6 +303,7 @@ def _prepare_shell(mx: Any, nn: Any, st: EngineState) -> None:
         try:
             end_cell()
         finally:
+            _output.end_cell()
             st.monitor.cell_finished(
                 "ok" if result.success else type(result.error_in_exec).__name__
             )
@@ -314,6 +317,7 @@ def begin(meta: dict[str, Any]) -> None:
     st = current()
     cell = int(meta.get("cell", 0))
     st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
+    _output.begin_cell(cell, limit=meta.get("output_limit"))
     st.monitor.cell_started(cell)
 
 
@@ -360,6 +364,7 @@ def call(meta: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             end_cell()
         finally:
+            _output.end_cell()
             current().monitor.cell_finished(status)
 
 
