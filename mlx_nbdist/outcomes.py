@@ -34,6 +34,10 @@ def collect(
         )
         out.duration = _seconds(md["started"], md["completed"])
         exc = error_of(fut)
+        if exc is not None and _display_failed(exc):
+            # the cell ran; only showing its value failed: IPython warns, so do we
+            out.warnings.append(_display_warning(r, exc))
+            exc = None
         if r in outcome.failures:
             out.failure = outcome.failures[r]
         elif exc is not None:
@@ -159,6 +163,25 @@ def _wait_output(fut: Any, timeout: float = 2.0) -> None:
         fut.output.result(timeout=timeout)
     except Exception:  # noqa: BLE001 - outputs are best effort after a reply
         pass
+
+
+def _display_failed(err: BaseException) -> bool:
+    """An error reply with no exception: a display formatter failed after the cell
+    ran (IPython prints that traceback and carries on)."""
+    return getattr(err, "ename", None) == "NoneType" and getattr(err, "evalue", None) == "None"
+
+
+def _display_warning(rank: int, err: BaseException) -> str:
+    tb = getattr(err, "traceback", None) or []
+    lines = tb.splitlines() if isinstance(tb, str) else [str(x) for x in tb]
+    last = next((x for x in reversed(lines) if x.strip()), "")
+    return f"rank {rank}: showing the cell's result failed ({_strip_ansi(last).strip()})"
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def failure_from(rank: int, err: BaseException) -> RankFailure:

@@ -108,6 +108,8 @@ class RankOutput:
     #: the rank's output area in the order it was written (``mlx_nbdist.streams.Item``):
     #: stdout and stderr interleaved, displays as last updated
     items: list[Any] = field(default_factory=list)
+    #: problems that did not fail the cell (e.g. a display formatter that raised)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def result_text(self) -> str | None:

@@ -78,6 +78,10 @@ Progress = Callable[[str], None]
 DEFAULT: Any = type("Default", (), {"__repr__": lambda self: "DEFAULT"})()
 
 
+class DisplayWarning(UserWarning):
+    """A rank ran its cell, but showing the cell's result failed there."""
+
+
 class OversubscribedWarning(UserWarning):
     """More ranks than CPU cores: it works, but collectives get slow."""
 
@@ -1138,6 +1142,9 @@ class Session:
                 _attach_items(e.result, streams)
                 raise
             _attach_items(result, streams)
+            for out in result.ranks.values():
+                for text in out.warnings:
+                    warnings.warn(text, DisplayWarning, stacklevel=2)
             return result
 
     def apply(

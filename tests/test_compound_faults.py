@@ -300,3 +300,13 @@ def test_bad_timeouts_are_refused_before_anything_runs(session2: Session, bad) -
     assert session2.state == "ready"
     with pytest.raises(ValueError, match="timeout"):
         Session(2, timeout=bad)
+
+
+def test_a_failing_display_formatter_warns_as_ipython_does(session2: Session) -> None:
+    # item 16: the cell ran; only its value's HTML form failed
+    from mlx_nbdist.session import DisplayWarning
+
+    code = "class A:\n    def _repr_html_(self):\n        raise ValueError('bad html')\nA()"
+    with pytest.warns(DisplayWarning, match=r"rank 0: showing the cell's result failed \(ValueError: bad html\)"):
+        r = session2.run(code, timeout=30)
+    assert r.ok and "A object" in r.ranks[0].result["text/plain"] or "<__main__.A" in r.ranks[0].result["text/plain"]
