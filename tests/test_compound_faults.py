@@ -309,4 +309,4 @@ def test_a_failing_display_formatter_warns_as_ipython_does(session2: Session) ->
     code = "class A:\n    def _repr_html_(self):\n        raise ValueError('bad html')\nA()"
     with pytest.warns(DisplayWarning, match=r"rank 0: showing the cell's result failed \(ValueError: bad html\)"):
         r = session2.run(code, timeout=30)
-    assert r.ok and "A object" in r.ranks[0].result["text/plain"] or "<__main__.A" in r.ranks[0].result["text/plain"]
+    assert r.ok and r.ranks[0].result["text/plain"].startswith("<__main__.A")
