@@ -118,6 +118,14 @@ def _compare_messages(
     out: LedgerCheck, src: int, dst: int, sent: list[list[Any]], got: list[list[Any]]
 ) -> None:
     for i, (s, g) in enumerate(zip(sent, got, strict=False)):
+        if len(s) > 3 and len(g) > 3 and s[3] != g[3]:
+            out.problems.append(
+                f"message {i + 1} from rank {src} to rank {dst} was sent after {s[3]} "
+                f"collective(s) on rank {src} but received after {g[3]} on rank {dst}: "
+                "messages and collectives in a different order on the two ranks can read "
+                "each other's data"
+            )
+            return
         if s[0] != g[0]:
             out.problems.append(
                 f"message {i + 1} from rank {src} to rank {dst}: {s[0]} bytes sent "
@@ -226,7 +234,8 @@ def _trim_internal(lines: list[str]) -> list[str]:
 
 def raise_for(result: CellResult, outcome: Outcome, timeout: float | None, notes: str = "") -> None:
     result.valid = result.valid and outcome.valid
-    if result.ok and not outcome.problem and not outcome.broken:
+    stopped = outcome.timed_out or outcome.interrupted or not result.valid
+    if result.ok and not outcome.problem and not outcome.broken and not stopped:
         return
     summary = outcome.summary
     if outcome.problem:

@@ -867,7 +867,7 @@ class Session:
                     problems.append(f"rank {r}: {short_error(e)}")
                 continue
             if got["bad"]:
-                problems.append(f"rank {r} read wrong data from ranks {got['bad']}")
+                problems.append(f"rank {r} read wrong data ({', '.join(got['bad'])})")
         if silent:
             problems.append(f"ranks {silent} did not answer within {timeout:g} s")
             self.kill_ranks(silent, signal.SIGKILL)
@@ -1014,10 +1014,17 @@ class Session:
         outcome = Supervisor(
             self, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
         ).wait()
-        result = collect(futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0)
-        if on_poll is not None:
-            on_poll()  # the output that arrived with the replies
-        self._settle_group(result, outcome, futures)
+        try:
+            result = collect(
+                futures, outcome, self._cell, self._engine_ids(), time.monotonic() - t0
+            )
+            if on_poll is not None:
+                on_poll()  # the output that arrived with the replies
+            self._settle_group(result, outcome, futures)
+        except BaseException:
+            # e.g. a second Ctrl-C while the group was being checked: unproven
+            self._break("interrupted before the group could be checked after the cell")
+            raise
         self._forget(ar)
         raise_for(result, outcome, timeout, self._host_notes(result, outcome))
         return futures, result, outcome
@@ -1032,8 +1039,12 @@ class Session:
         gone = [f.rank for f in result.failures if f.cause in (DIED, PAUSED)]
         if gone and not outcome.broken:
             outcome.broken = f"rank {', '.join(map(str, gone))} died"
-        if not outcome.broken and not outcome.needs_alignment:
-            check = check_ledgers(ledgers_of(futures), list(futures), self.n)
+        if not outcome.broken and not outcome.drained:
+            # (a drain's replays are not in the ledgers: the alignment check decides)
+            ledgers = ledgers_of(futures)
+            if self._ledger_missing(ledgers, futures):
+                outcome.needs_alignment = True
+            check = check_ledgers(ledgers, list(futures), self.n)
             if check.unmatched:
                 why = self.receive_unmatched(check.unmatched, self.policy.drain_timeout)
                 if why:
@@ -1054,6 +1065,17 @@ class Session:
                 ).strip()
         if outcome.broken:
             self._break(outcome.broken)
+
+    def _ledger_missing(self, ledgers: dict[int, Any], futures: dict[int, Any]) -> bool:
+        """A rank that says (status file) it issued collectives in this cell but whose
+        ledger did not arrive: the comparison would be incomplete."""
+        for r in futures:
+            if r in ledgers:
+                continue
+            rec = self.rank_record(r)
+            if rec.get("tracker_cell") == self._cell and rec.get("cell_collectives"):
+                return True
+        return False
 
     def _break(self, reason: str) -> None:
         if self._state in (READY, BROKEN):
@@ -1225,10 +1247,10 @@ class Session:
 
     def _forget(self, *ars: Any) -> None:
         """Drop finished messages from the client's caches (they grow without bound)."""
-        done = [m for a in ars for m in a.msg_ids if m not in self.client.outstanding]
         try:
+            done = [m for a in ars for m in a.msg_ids if m not in self.client.outstanding]
             self.client.purge_local_results(jobs=done)
-        except Exception:  # noqa: BLE001 - caching is not correctness
+        except Exception:  # noqa: BLE001 - caching is not correctness (or stop() ran)
             pass
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:

@@ -65,6 +65,10 @@ class Item:
     metadata: dict[str, Any] = field(default_factory=dict)
     display_id: str | None = None
 
+    def shown(self) -> str:
+        """The text as a terminal shows it (``\r`` rewrites its line)."""
+        return apply_carriage_returns(self.text)
+
 
 _LINE_REWRITE = re.compile(r"[^\n]*\r(?!\n)")
 
@@ -106,10 +110,12 @@ class RankStream:
             self._clear_pending = False
         last = self.items[-1] if self.items else None
         if ev.kind in (Kind.STDOUT, Kind.STDERR):
+            # kept as written: a ``\r`` line rewrite may span messages, so it is
+            # applied when the text is shown (:meth:`Item.shown`)
             if last is not None and last.kind == ev.kind:
-                last.text = apply_carriage_returns(last.text + ev.text)
+                last.text += ev.text
             else:
-                self.items.append(Item(ev.kind, text=apply_carriage_returns(ev.text)))
+                self.items.append(Item(ev.kind, text=ev.text))
         else:
             self.items.append(
                 Item(ev.kind, data=ev.data, metadata=ev.metadata, display_id=ev.display_id)
@@ -121,7 +127,7 @@ class RankStream:
         out = []
         for item in self.items:
             if item.kind in (Kind.STDOUT, Kind.STDERR):
-                out.append(item.text)
+                out.append(item.shown())
             else:
                 plain = item.data.get("text/plain", "")
                 if item.kind == Kind.RESULT:

@@ -70,6 +70,8 @@ class Outcome:
     needs_alignment: bool = False
     #: why the cell fails although every rank finished (its ranks' ledgers disagree)
     problem: str = ""
+    #: collectives were replayed to release ranks (the ranks' ledgers miss them)
+    drained: bool = False
 
 
 @dataclass
@@ -286,6 +288,13 @@ class Supervisor:
         if any(peer not in waits for _, peer, _ in waits.values()):
             self._recv_wait = None
             return
+        for r, (_, peer, _) in waits.items():
+            # a receive whose message the peer already sent completes: not a deadlock
+            got = int(self.s.rank_record(r).get("recvd", {}).get(str(peer), 0))
+            sent = int(self.s.rank_record(peer).get("sent", {}).get(str(r), 0))
+            if sent >= got:
+                self._recv_wait = None
+                return
         now = time.monotonic()
         if self._recv_wait is None:
             self._recv_wait = (waits, now)
@@ -346,6 +355,7 @@ class Supervisor:
         replayed: dict[int, list[str]] = {}
         released = False
         settling: set[int] = set()
+        released_ranks: set[int] = set()  # every rank a round released, not the last only
         issued: dict[int, int] = {}  # per helper: what it issued in this cell, replays too
         for _ in range(4):
             source = max(stuck, key=self._cell_count)
@@ -360,8 +370,10 @@ class Supervisor:
                     plan[f] = recs
             if not plan:
                 break
-            before = self._cell_count(source)
+            before = max(self._cell_count(r) for r in stuck)
             settling |= {r for r in stuck if self.s.rank_record(r).get("settling")}
+            released_ranks |= set(stuck)
+            self.out.drained = True
             done, blocked = self.s.drain_ranks(plan, self.policy.drain_timeout)
             for r, lines in done.items():
                 replayed.setdefault(r, []).extend(lines)
@@ -377,13 +389,14 @@ class Supervisor:
                 released = True
                 break
             stuck = self._running()
-            if self._cell_count(source) <= before:
+            if max(self._cell_count(r) for r in stuck) <= before:
                 break  # no progress: it waits in something the records do not show
         if not released:
             return False
         self.out.valid = False
         self.out.needs_alignment = True
         done_lines = sorted({line for lines in replayed.values() for line in lines})
+        stuck = sorted(released_ranks)
         for r in stuck:
             self.out.failures.setdefault(
                 r,

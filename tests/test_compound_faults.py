@@ -310,3 +310,34 @@ def test_a_failing_display_formatter_warns_as_ipython_does(session2: Session) ->
     with pytest.warns(DisplayWarning, match=r"rank 0: showing the cell's result failed \(ValueError: bad html\)"):
         r = session2.run(code, timeout=30)
     assert r.ok and r.ranks[0].result["text/plain"].startswith("<__main__.A")
+
+
+def test_a_cell_that_catches_the_interrupt_still_reports_it(fresh2: Session) -> None:
+    # review: ranks that swallow KeyboardInterrupt end "ok", at different points
+    code = (
+        "import time\ntry:\n    for i in range(600):\n        time.sleep(0.1)\n"
+        "except KeyboardInterrupt:\n    print('stopped at', i)\n"
+    )
+    from mlx_nbdist import CellInterrupted
+
+    from .test_faults import _interrupt_after, _no_interrupt
+
+    old = _interrupt_after(1.5)
+    try:
+        with pytest.raises(CellInterrupted):
+            fresh2.run(code, timeout=60)
+    finally:
+        _no_interrupt(old)
+    assert fresh2.state == "ready"
+
+
+def test_ledgers_of_messages_only_ranks_agree_with_idle_ranks() -> None:
+    from mlx_nbdist.outcomes import check_ledgers
+
+    led = {
+        0: {"n": 1, "digest": "none", "sent": {"1": [[16, "float32", [4], 0]]}, "recvd": {}},
+        1: {"n": 1, "digest": "none", "sent": {}, "recvd": {"0": [[16, "float32", [4], 0]]}},
+    }
+    assert check_ledgers(led, [0, 1, 2], 3).problems == []
+    led[1]["recvd"]["0"][0][3] = 1  # received after a collective the sender had not issued
+    assert "different order" in check_ledgers(led, [0, 1, 2], 3).problems[0]

@@ -28,6 +28,13 @@ def test_carriage_returns_rewrite_the_line() -> None:
     assert apply_carriage_returns("x\ny 1\ry 2") == "x\ny 2"
 
 
+def test_a_progress_line_split_over_messages_keeps_its_last_state() -> None:
+    area = RankStream(0)
+    for text in ("step 2\r", "step 3\r", "\n"):
+        area.apply(OutputEvent(0, Kind.STDOUT, text=text))
+    assert area.text() == "step 3\n"
+
+
 def test_area_keeps_order_updates_displays_and_clears() -> None:
     area = RankStream(0)
     area.apply(OutputEvent(0, Kind.STDOUT, text="a\n"))

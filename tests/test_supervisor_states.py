@@ -108,6 +108,30 @@ def test_a_replay_that_blocks_breaks_the_group_instead_of_reporting_a_drain() ->
     assert out.broken and not out.needs_alignment
 
 
+def test_every_rank_a_drain_released_is_marked_drained() -> None:
+    # 3 ranks: rank 2 raised; rank 0 is released by the first replay round, rank 1
+    # issues one more collective and is released by the second
+    fake = FakeRanks(n=3)
+    fake.issue(0, "all_sum")
+    fake.issue(1, "all_sum")
+    fake.finish(2, ValueError("rank two fails"))
+    rounds = []
+
+    def drain(plan, timeout):
+        rounds.append(plan)
+        if len(rounds) == 1:
+            fake.finish(0)
+            fake.issue(1, "all_gather")
+        else:
+            fake.finish(1)
+        return {r: ["#"] for r in plan}, []
+
+    fake.drain_ranks = drain  # type: ignore[method-assign]
+    out = supervise(fake)
+    assert len(rounds) == 2
+    assert out.failures[0].cause == DRAINED and out.failures[1].cause == DRAINED
+
+
 def test_a_completed_drain_must_still_be_proven_in_step() -> None:
     fake = FakeRanks()
     fake.issue(0, "all_sum")
@@ -158,9 +182,24 @@ def test_receivers_waiting_on_each_other_are_a_deadlock() -> None:
     fake = FakeRanks()
     fake.issue(0, "recv", peer=1)
     fake.issue(1, "recv", peer=0)
+    for r in (0, 1):
+        fake.records[r]["recvd"] = {str(1 - r): 1}
     out = supervise(fake, timeout=30)
     assert "deadlock" in out.broken
     assert {f.cause for f in out.failures.values()} == {KILLED}
+
+
+def test_receivers_whose_messages_were_sent_are_computing_not_deadlocked() -> None:
+    # each rank sent to the other before its recv: the recvs complete, then both
+    # compute for longer than the deadlock grace in one mx.eval
+    fake = FakeRanks()
+    for r in (0, 1):
+        fake.issue(r, "send", peer=1 - r)
+        fake.issue(r, "recv", peer=1 - r)
+        fake.records[r]["sent"] = {str(1 - r): 1}
+        fake.records[r]["recvd"] = {str(1 - r): 1}
+    out = supervise(fake, timeout=1.0)
+    assert out.timed_out and "deadlock" not in out.broken
 
 
 def test_a_rank_that_moves_is_not_a_deadlock() -> None:

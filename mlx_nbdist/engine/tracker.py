@@ -36,6 +36,8 @@ _OP_CODES = {op: i + 1 for i, op in enumerate(OPS)}
 #: how many issued-but-unevaluated collective outputs a rank holds before it drops
 #: those already evaluated (see :meth:`Tracker.settle`)
 COMPACT_AT = 64
+#: ... or once the held outputs reach this many bytes (large gradient buckets)
+COMPACT_BYTES = 64 << 20
 
 
 class CollectiveError(RuntimeError):
@@ -74,10 +76,13 @@ class Tracker:
     def _begin_ledger(self) -> None:
         self.cell_count = 0
         self._digest = hashlib.blake2b(digest_size=8)
-        #: per peer, one ``[nbytes, dtype, shape]`` per message, in order
+        self._collectives = 0  # group collectives (not point-to-point) in the digest
+        #: per peer, one ``[nbytes, dtype, shape, k]`` per message, in order; ``k`` is
+        #: how many group collectives this rank issued before it (ring shares streams)
         self._sent: dict[int, list[list[Any]]] = {}
         self._recvd: dict[int, list[list[Any]]] = {}
         self._held: list[tuple[CollectiveRecord, Any]] = []
+        self._held_bytes = 0
         self._compact_at = COMPACT_AT
 
     # -- installation -------------------------------------------------------------
@@ -116,6 +121,9 @@ class Tracker:
                 "tracker_cell": self.cell,
                 "cell_collectives": self.cell_count,
                 "settling": [vars(r).copy() for r in self.settling],
+                # messages issued in this cell, per peer (the supervisor's deadlock test)
+                "sent": {str(p): len(v) for p, v in self._sent.items()},
+                "recvd": {str(p): len(v) for p, v in self._recvd.items()},
             }
 
     def cell_records(self, cell: int) -> list[CollectiveRecord]:
@@ -128,7 +136,8 @@ class Tracker:
             return {
                 "cell": self.cell,
                 "n": self.cell_count,
-                "digest": self._digest.hexdigest(),
+                # "none" when it issued no group collective (an idle rank has no ledger)
+                "digest": self._digest.hexdigest() if self._collectives else "none",
                 "sent": {str(p): list(v) for p, v in self._sent.items()},
                 "recvd": {str(p): list(v) for p, v in self._recvd.items()},
             }
@@ -184,12 +193,13 @@ class Tracker:
             )
             self.recent.append(rec)
             if world:
-                msg = [nbytes, dtype, list(shape)]
+                msg = [nbytes, dtype, list(shape), self._collectives]
                 if op == "send" and peer is not None:
                     self._sent.setdefault(int(peer), []).append(msg)
                 elif op in ("recv", "recv_like") and peer is not None:
                     self._recvd.setdefault(int(peer), []).append(msg)
                 else:
+                    self._collectives += 1
                     self._digest.update(f"{op}{tuple(shape)}{dtype}{check};".encode())
         return rec
 
@@ -198,13 +208,15 @@ class Tracker:
             return
         with self._lock:
             self._held.append((rec, out))
-            if len(self._held) < self._compact_at:
+            self._held_bytes += int(out.nbytes)
+            if len(self._held) < self._compact_at and self._held_bytes < COMPACT_BYTES:
                 return
             held = list(self._held)
         keep = [(r, a) for r, a in held if not _evaluated(a)]
         with self._lock:
             added = self._held[len(held) :]
             self._held = keep + added
+            self._held_bytes = sum(int(a.nbytes) for _, a in self._held)
             self._compact_at = max(COMPACT_AT, 2 * len(self._held))
 
     def _wrap(self, op: str, fn: Any) -> Any:
@@ -416,16 +428,39 @@ def receive_unmatched(tracker: Tracker, messages: list[dict[str, Any]]) -> int:
 
 def align(tracker: Tracker, nonce: int) -> dict[str, Any]:
     """Prove that the group's message streams are in step: every rank gathers a row
-    of the same fresh ``nonce``, its rank and the group size. A stream that still
-    holds a stale message (or a rank that pairs this with another collective) reads
-    a wrong row; a rank still blocked elsewhere never answers."""
-    row = [nonce, tracker.rank, tracker.size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]
-    out = tracker.original("all_gather")(mx.array(row, dtype=mx.int64)[None], group=tracker.world)
+    of the same fresh ``nonce``, its rank and the group size, sums nonce-derived
+    arrays of two sizes (MLX's ring moves small and large sums over different
+    connections and directions), and exchanges the nonce with both neighbours by
+    send/recv (the streams point-to-point messages use). A stream that still holds
+    a stale message makes a rank read a wrong value; a rank still blocked elsewhere
+    never answers."""
+    world, size, rank = tracker.world, tracker.size, tracker.rank
+    orig = tracker.original
+    bad: list[str] = []
+    row = [nonce, rank, size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]
+    out = orig("all_gather")(mx.array(row, dtype=mx.int64)[None], group=world)
     mx.eval(out)
-    rows = out.tolist()
-    bad = [
-        i
-        for i, r in enumerate(rows)
-        if r != [nonce, i, tracker.size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]
-    ]
-    return {"rank": tracker.rank, "bad": bad, "seq": tracker.seq}
+    for i, r in enumerate(out.tolist()):
+        if r != [nonce, i, size, nonce ^ 0x2AAAAAAAAAAAAAAA, -nonce]:
+            bad.append(f"all_gather row of rank {i}")
+    small = nonce % 1000 + 1
+    for n in (1, 4096):
+        got = orig("all_sum")(mx.full((n,), small, dtype=mx.int32), group=world)
+        mx.eval(got)
+        if not bool(mx.all(got == small * size).item()):
+            bad.append(f"all_sum of {n}")
+    if size > 1 and "send" in tracker._orig:
+        right, left = (rank + 1) % size, (rank - 1) % size
+        token = mx.array([nonce, rank], dtype=mx.int64)
+        for dst, src in ((right, left), (left, right)):
+            if rank % 2 == 0:  # even ranks send first: no pair waits on each other
+                mx.eval(orig("send")(token, dst, group=world))
+                got = orig("recv")((2,), mx.int64, src, group=world)
+                mx.eval(got)
+            else:
+                got = orig("recv")((2,), mx.int64, src, group=world)
+                mx.eval(got)
+                mx.eval(orig("send")(token, dst, group=world))
+            if got.tolist() != [nonce, src]:
+                bad.append(f"message from rank {src}")
+    return {"rank": rank, "bad": bad, "seq": tracker.seq}

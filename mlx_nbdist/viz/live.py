@@ -119,9 +119,9 @@ _PRE = "margin:0;padding:1px 4px;white-space:pre-wrap;word-break:break-all;"
 
 def _html_item(rank: int, item: Item) -> str:
     if item.kind == Kind.STDOUT:
-        return f'<pre style="{_PRE}">{html.escape(item.text)}</pre>'
+        return f'<pre style="{_PRE}">{html.escape(item.shown())}</pre>'
     if item.kind == Kind.STDERR:
-        return f'<pre style="{_PRE}background:#fdd">{html.escape(item.text)}</pre>'
+        return f'<pre style="{_PRE}background:#fdd">{html.escape(item.shown())}</pre>'
     data = item.data
     prefix = ""
     if item.kind == Kind.RESULT:
