@@ -127,6 +127,11 @@ class Frontend:
             self.km.shutdown_kernel(now=False)
 
 
+def rank_areas(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The displays that hold something: the ranks' output areas, in order."""
+    return [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+
+
 def text_of(outputs: list[dict[str, Any]]) -> str:
     parts = []
     for o in outputs:
@@ -160,7 +165,7 @@ def test_magic_streams_each_rank_into_its_own_area(frontend: Frontend) -> None:
     end = timeline[-1][0]
     seen = [t for t, kind, plain in timeline if "0 loss 0" in plain]
     assert seen and seen[0] < end - 1.0, timeline  # shown while the cell ran
-    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    areas = rank_areas(outputs)
     assert [a["data"]["text/plain"].splitlines()[0] for a in areas] == ["[rank 0]", "[rank 1]"]
     for k, area in enumerate(areas):
         lines = area["data"]["text/plain"].splitlines()[1:]
@@ -185,7 +190,7 @@ def test_display_updates_clear_output_and_figures_in_a_rank_area(frontend: Front
     )
     status, outputs, _ = frontend.run(code)
     assert status == "ok", text_of(outputs)
-    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    areas = rank_areas(outputs)
     assert len(areas) == 1
     html = areas[0]["data"]["text/html"]
     assert html.count("<img") == 1 and "frame 2" in html and "frame 1" not in html
@@ -213,7 +218,7 @@ def test_many_tiny_prints_and_progress_lines_are_bounded_in_messages(frontend: F
     assert status == "ok", text_of(outputs)
     updates = [t for t in timeline if t[1] in ("display_data", "update_display_data")]
     assert len(updates) < 200  # not one message per print
-    areas = [o for o in outputs if o["kind"] == "display_data" and o["data"].get("text/plain")]
+    areas = rank_areas(outputs)
     for k, area in enumerate(areas):
         lines = area["data"]["text/plain"].splitlines()
         assert lines[0] == f"[rank {k}]"
