@@ -89,9 +89,9 @@ def in_cell(backend: str) -> dict[int, float]:
 
 
 def _mpirun() -> list[str]:
-    from mlx_nbdist.launch_mpi import MPI_ARGS
+    from mlx_nbdist.launchers.mpi import mpi_args
 
-    return [bin_path("mpirun"), "-n", "2", *MPI_ARGS]
+    return [bin_path("mpirun"), "-n", "2", *mpi_args(2)]
 
 
 def plain_script(backend: str) -> dict[int, float]:
@@ -115,13 +115,13 @@ def direct_ring_script() -> dict[int, float]:
     """The same script, both ranks started directly with the environment ``mlx.launch``
     gives them (hostfile, rank): ``mlx.launch`` itself busy-polls its children's pipes
     (measured: 105 % CPU while its ranks sleep), which on two cores slows the ranks."""
-    from mlx_nbdist.launch import free_ports
+    from mlx_nbdist.engine.rpc import free_ports
 
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "bench_allsum.py"
         script.write_text(SCRIPT.format(sizes=_sizes()))
         hostfile = Path(d) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * 2)]))
         env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
         procs = [subprocess.Popen([sys.executable, str(script), "ring"], text=True,
                                   env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -167,9 +167,9 @@ def _libmpi() -> str:
 
 
 def _free_base_port() -> int:
-    from mlx_nbdist.launch import free_ports
+    from mlx_nbdist.engine.rpc import free_ports
 
-    return free_ports(1)[0]
+    return free_ports(["127.0.0.1"])[0]
 
 
 def main(trials: int = 5) -> dict:

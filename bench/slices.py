@@ -20,14 +20,14 @@ from common import stats, time_it
 
 import mlx_nbdist
 from mlx_nbdist import Session
-from mlx_nbdist.engine import transfer
+from mlx_nbdist.engine import rpc
 
 MB = 64
 REPS = 21
 
 
 def _pickled(name: str):  # runs on the ranks
-    from mlx_nbdist.engine.remote import slice_of
+    from mlx_nbdist.engine.rpc import slice_of
     from mlx_nbdist.results import TensorSlice
 
     meta, _info, data = slice_of(name, None)
@@ -41,7 +41,7 @@ def main() -> dict:
     with Session(2, timeout=300) as s:
         s.run(f"big = mx.ones(({nbytes // 4},), dtype=mx.float32) * rank\nmx.eval(big)")
         mlx_nbdist.slices("big", session=s)  # a first pull: the ranks make segments
-        s.apply(transfer.settle)
+        s.apply(rpc.settle)
         routes = s.receiver.routes
         pool, vm = [], []
         for _ in range(REPS):  # the two routes interleaved
@@ -59,7 +59,7 @@ def main() -> dict:
             s.run(f"big2 = mx.ones(({n},)) * rank\nmx.eval(big2)")
             cold.append(time_it(lambda: mlx_nbdist.slices("big2", session=s)))
             cold_bytes.append(2 * 4 * n)
-            s.apply(transfer.settle)
+            s.apply(rpc.settle)
         s.run("del big2\ntransfer.POOL_IDLE = 256 << 20")
         # after them: a 64 MB pickle slows whatever call comes next (measured: the
         # following pull takes twice as long), which would tax the interleaved routes

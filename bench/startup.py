@@ -12,7 +12,8 @@ from pathlib import Path
 
 from common import bin_path, run_script, stats
 
-from mlx_nbdist import Session, launch
+from mlx_nbdist import Session, runtime
+from mlx_nbdist.engine.rpc import free_ports
 
 REPS = 3
 
@@ -34,7 +35,9 @@ def bare(n: int) -> float:
     rc = c.start_and_connect_sync()
     rc.wait_for_engines(n)
     with tempfile.TemporaryDirectory() as d:
-        host = launch.write_hostfile(Path(d) / "h.json", launch.free_ports(n))
+        host = runtime.write_ring_hostfile(
+            Path(d) / "h.json", [[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * n)]
+        )
         ars = [
             rc[e].execute(
                 "import os; os.environ['MLX_RANK']='%d'; os.environ['MLX_HOSTFILE']=%r\n"
@@ -58,7 +61,7 @@ def mlx_launch(n: int) -> float:
             "import mlx.core as mx\ng = mx.distributed.init(backend='ring', strict=True)\n"
             "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))\nprint('DONE', flush=True)\n"
         )
-        port = launch.free_ports(1)[0]
+        port = free_ports(["127.0.0.1"])[0]
         t0 = time.perf_counter()
         out = run_script([bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
                           "--starting-port", str(port), "--", sys.executable, str(script)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .api import current_session, start, stop
+from .client.models import check, gradsync, plan, shard, show, slices
 from .engine.progress import log_scalars, progress
 from .errors import (
     CellError,
@@ -21,7 +22,6 @@ from .errors import (
     ShardingError,
     StartError,
 )
-from .models import check, gradsync, plan, shard, show, slices
 from .results import CellResult, RankOutput
 from .session import Session
 

@@ -8,6 +8,13 @@ collected, duplicates) the first output messages: ipyparallel's own
 message is sent; calling it needs the view's socket (``view._socket``) and the
 client's target resolution (``client._build_targets``), which are private.
 
+The per-engine futures of an ``AsyncResult`` (``ar._children``): the supervisor
+waits on each rank's separately, to tell which rank failed, hung or died; the
+public API offers only the result as a whole. :func:`futures_of`.
+
+A client closed by :meth:`Client.close` (``client._closed``): the dashboard must not
+poll a closed client. :func:`client_closed`.
+
 A local engine's exit status: ipyparallel's launcher reaps its engine in a
 background thread (``LocalProcessLauncher._wait``) and hands the exit code to its
 event loop, which, inside a kernel busy running the cell, runs too late (or never);
@@ -53,6 +60,15 @@ def execute_streaming(
         )
     return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
 
+
+def futures_of(ar: Any) -> list[Any]:
+    """The per-engine futures of an ``AsyncResult``, in target order."""
+    return list(ar._children)
+
+
+def client_closed(client: Any) -> bool:
+    """Whether ``client.close()`` has run (it keeps the object usable-looking)."""
+    return bool(getattr(client, "_closed", False))
 
 
 def engine_set_launcher() -> type:

@@ -1,10 +1,18 @@
-"""The notebook's current session and the plain functions the magics call."""
+"""The notebook's current session and the plain functions the magics call.
+
+Also the session the distributed kernel starts in the background at launch
+(:func:`start_in_background`): the first command that needs it waits for it
+(:func:`wait_for_background_start`).
+"""
 
 from __future__ import annotations
 
-import time
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from .errors import NotStartedError
+from .errors import NotStartedError, StartError
 from .session import Session, SessionStatus
 
 _CURRENT: Session | None = None
@@ -37,24 +45,73 @@ def stop() -> None:
 
 def format_status(st: SessionStatus) -> str:
     """The text of ``%mlxdist status``."""
-    lines = [
-        f"session {st.session_id or '-'}: {st.state}, {st.n} ranks, "
-        f"backend={st.backend}, launcher={st.launcher}, up {st.uptime:.0f} s"
-    ]
-    if st.broken_reason:
-        lines.append(f"  broken: {st.broken_reason} -> run %mlxdist restart")
-    now = time.time()
-    for r, info in st.ranks.items():
-        live = st.live.get(r)
-        state = live.state if live else "?"
-        if not st.alive.get(r, False):
-            state = "dead"
-        busy = ""
-        if live and live.state == "busy" and live.cell_started:
-            busy = f" cell {live.cell} for {now - live.cell_started:.1f} s"
-        coll = f", {live.collectives} collectives" if live else ""
-        lines.append(
-            f"  rank {r}: {state}{busy}, pid {info.pid} on {info.host}, {info.device}, "
-            f"engine {info.engine_id}{coll}"
+    from .viz.status import format_status as render  # viz loads matplotlib: only here
+
+    return render(st)
+
+
+@dataclass
+class _BackgroundStart:
+    session: Session
+    thread: threading.Thread | None = None
+    messages: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+_STARTING: _BackgroundStart | None = None
+
+
+def start_in_background(session: Session) -> threading.Thread:
+    """Start ``session`` in a thread (the distributed kernel does this at launch).
+
+    The first command that needs the session waits for it
+    (:func:`wait_for_background_start`); a start that failed raises there.
+    """
+    global _STARTING
+    job = _BackgroundStart(session)
+
+    def run() -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                session.start(job.messages.append)
+            set_current_session(session)
+        except BaseException as e:  # noqa: BLE001 - reported to the first cell
+            job.error = e
+
+    job.thread = threading.Thread(target=run, name="mlx_nbdist-start", daemon=True)
+    _STARTING = job
+    job.thread.start()
+    return job.thread
+
+
+def background_start() -> threading.Thread | None:
+    """The thread of a start begun by :func:`start_in_background`, while it is known."""
+    return _STARTING.thread if _STARTING is not None else None
+
+
+def wait_for_background_start(progress: Callable[[str], None] | None = None) -> None:
+    """Wait for a background start, passing its messages to ``progress``.
+
+    Raises:
+        StartError: the start failed (once; the next call returns at once).
+    """
+    global _STARTING
+    job = _STARTING
+    if job is None or job.thread is None:
+        return
+    say = progress or (lambda msg: None)
+    seen = 0
+    while job.thread.is_alive():
+        if len(job.messages) > seen:
+            seen = len(job.messages)
+            say(job.messages[-1])
+        job.thread.join(0.1)
+    if seen:
+        say("MLX group ready" if job.error is None else "start failed")
+    _STARTING = None
+    if job.error is not None:
+        raise StartError(
+            f"the MLX session did not start: {job.error}\n"
+            "start it by hand with %mlxdist start -n N (or restart the kernel)"
         )
-    return "\n".join(lines)

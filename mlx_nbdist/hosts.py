@@ -33,9 +33,6 @@ from typing import Any
 
 from .errors import SetupError
 
-#: Names that mean "this machine": a session over them alone needs no ssh.
-LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-
 
 @dataclass(frozen=True)
 class Host:
@@ -99,10 +96,6 @@ class Placement:
         for h in self.hosts:
             seen.setdefault(h.name, h)
         return list(seen.values())
-
-    def is_local(self) -> bool:
-        """True when every host is this machine by name (no ssh needed)."""
-        return all(h.hostname in LOCAL_NAMES for h in self.hosts)
 
     def env(self) -> dict[str, str]:
         """The hostfile's ``envs`` as a dict."""

@@ -28,7 +28,7 @@ from typing import Any
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Bool, Float, Integer, Unicode
 
-from . import __version__
+from . import __version__, config
 
 KERNEL_MODULE = "mlx_nbdist.kernel"
 
@@ -39,18 +39,18 @@ class MLXDistKernel(IPythonKernel):
     implementation = "mlx_nbdist"
     implementation_version = __version__
 
-    n = Integer(2, help="number of ranks").tag(config=True)
-    backend = Unicode("ring", help="MLX backend: ring or mpi").tag(config=True)
-    launcher = Unicode("", help="local or mpi (empty: by backend)").tag(config=True)
-    timeout = Float(300.0, help="default deadline of a cell in seconds (0: none)").tag(
-        config=True
-    )
+    n = Integer(config.N, help="number of ranks").tag(config=True)
+    backend = Unicode(str(config.BACKEND), help="MLX backend: ring or mpi").tag(config=True)
+    launcher = Unicode("", help="a launcher's name (empty: by backend)").tag(config=True)
+    timeout = Float(
+        config.CELL_TIMEOUT, help="default deadline of a cell in seconds (0: none)"
+    ).tag(config=True)
     auto = Bool(True, help="run every cell on the ranks (auto mode)").tag(config=True)
     autostart = Bool(True, help="start the session when the kernel starts").tag(config=True)
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        from . import autopx, load_ipython_extension, magics
+        from . import api, autopx, load_ipython_extension, magics
         from .session import Session
 
         load_ipython_extension(self.shell)
@@ -64,7 +64,7 @@ class MLXDistKernel(IPythonKernel):
             timeout=self.timeout or None,
         )
         if self.autostart:
-            magics.start_in_background(self.mlx_session)
+            api.start_in_background(self.mlx_session)
             # every cell, %%local ones included, starts once the group is ready
             self.shell.events.register("pre_run_cell", _wait_for_session)
         if self.auto:
@@ -99,10 +99,10 @@ def _abort_start(session: Any, budget: float = 2.0) -> None:
     instead of waiting for the start, end every process it has launched so far
     until the start gives up.
     """
-    from . import magics
+    from .api import background_start
     from .processes import end_pids
 
-    thread = magics.background_start()
+    thread = background_start()
     t_end = time.monotonic() + budget
     while thread is not None and thread.is_alive() and time.monotonic() < t_end:
         pids = session.processes()
@@ -114,10 +114,10 @@ def _abort_start(session: Any, budget: float = 2.0) -> None:
 def _wait_for_session(info: Any) -> None:
     from IPython.core.error import UsageError
 
-    from .magics import _wait_for_background_start
+    from .magics import wait_for_start
 
     try:
-        _wait_for_background_start()
+        wait_for_start()
     except UsageError as e:
         print(str(e), file=sys.stderr)
 

@@ -14,20 +14,22 @@ and ``%%local`` runs a cell here when auto mode is on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import shlex
 import sys
-import threading
 import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
-from traitlets import Bool, Float, Integer, Unicode
+from traitlets import Bool, Dict, Float, Integer, Unicode
 
-from . import api, autopx, models
-from .errors import MLXDistError, NotStartedError, SetupError, ShardingError
+from . import api, autopx, config, launchers, processes
+from .client import models
+from .config import Backend
+from .errors import MLXDistError, NotStartedError, SetupError, ShardingError, StartError
 from .session import Session
 from .viz.cells import display_cell
 from .viz.live import LiveOutput
@@ -101,8 +103,9 @@ def _line_parser() -> _Parser:
     sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
     start = sub.add_parser("start", help="start N ranks in one MLX group", add_help=False)
     start.add_argument("-n", type=_positive_int, default=None, help="number of ranks")
-    start.add_argument("--backend", choices=("ring", "mpi"), default=None)
-    start.add_argument("--launcher", choices=("local", "ssh", "mpi"), default=None)
+    start.add_argument("--backend", choices=[b.value for b in Backend], default=None)
+    start.add_argument("--launcher", choices=list(launchers.LAUNCHERS), default=None,
+                       help="; ".join(f"{k}: {c.summary}" for k, c in launchers.LAUNCHERS.items()))
     start.add_argument("--hostfile", default=None, help="MLX hostfile (hosts: ssh names, ips)")
     start.add_argument("--hosts", default=None, help="comma separated hosts, or 'slurm' / 'local'")
     start.add_argument("--controller-ip", dest="controller_ip", default=None,
@@ -152,20 +155,26 @@ def _cell_parser() -> _Parser:
 class MLXDist(Magics):
     """``%mlxdist`` / ``%%mlxdist``: interactive distributed MLX."""
 
-    n = Float(2, help="default number of ranks for %mlxdist start").tag(config=True)
-    backend = Unicode("ring", help="default MLX backend: ring or mpi").tag(config=True)
-    launcher = Unicode("", help="default launcher: local or mpi (empty: by backend)").tag(
-        config=True
-    )
-    timeout = Float(
-        300.0, help="default deadline of a %%mlxdist cell in seconds (0: none)"
+    n = Float(config.N, help="default number of ranks for %mlxdist start").tag(config=True)
+    backend = Unicode(
+        str(config.BACKEND), help="default MLX backend: " + " or ".join(b.value for b in Backend)
     ).tag(config=True)
-    start_timeout = Float(120.0, help="how long start may take").tag(config=True)
+    launcher = Unicode(
+        "", help=f"default launcher: {', '.join(launchers.LAUNCHERS)} (empty: by backend and hosts)"
+    ).tag(config=True)
+    timeout = Float(
+        config.CELL_TIMEOUT, help="default deadline of a %%mlxdist cell in seconds (0: none)"
+    ).tag(config=True)
+    start_timeout = Float(config.START_TIMEOUT, help="how long start may take").tag(config=True)
     check_collectives = Bool(
         False, help="check op/shape/dtype across ranks before each collective"
     ).tag(config=True)
+    policy = Dict(
+        help="supervisor timings in seconds, e.g. {'drain_timeout': 5} (see "
+        "mlx_nbdist.config.Policy)"
+    ).tag(config=True)
     output_limit = Integer(
-        1 << 20,
+        config.OUTPUT_LIMIT,
         help="characters of a cell's output per rank shown in the notebook (0: all); the "
         "rest is kept in a file in the session directory, and a line says where",
     ).tag(config=True)
@@ -210,7 +219,7 @@ class MLXDist(Magics):
         backend = args.backend or self.backend
         timeout = _config_timeout(self.timeout)
         try:
-            _wait_for_background_start()
+            wait_for_start()
         except UsageError as e:  # the kernel's own start failed: say why, start again
             print(str(e).splitlines()[0], file=sys.stderr)
         # built first: it starts nothing, and bad hosts/flags become a UsageError
@@ -226,6 +235,7 @@ class MLXDist(Magics):
             start_timeout=self.start_timeout,
             check_collectives=self.check_collectives,
         ))
+        session.policy = self._policy()
         s = api.current_session(required=False)
         if s is not None and s.state != "stopped":
             want = (session.n, session.backend, session.launcher)
@@ -246,7 +256,7 @@ class MLXDist(Magics):
                 )
             print(f"session {s.session_id} is already running: {_describe(s)}")
             return
-        before = _child_pids()
+        before = processes.child_pids()
         try:
             with _Progress() as progress, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -260,7 +270,7 @@ class MLXDist(Magics):
         print(_describe(session, ranks=True))
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
-        _wait_for_background_start()
+        wait_for_start()
         s = api.current_session(required=False)
         if s is None or s.state == "stopped":
             print("no session is running")
@@ -273,7 +283,7 @@ class MLXDist(Magics):
         if args.n:
             s.stop()
             s.n = args.n
-        before = _child_pids()
+        before = processes.child_pids()
         try:
             with _Progress() as progress:
                 self._guard(s.restart, progress.update)
@@ -282,7 +292,7 @@ class MLXDist(Magics):
         print(_describe(s, ranks=True))
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
-        _wait_for_background_start()
+        wait_for_start()
         s = api.current_session(required=False)
         if s is None:
             print("no session (start one with %mlxdist start -n N)")
@@ -400,14 +410,22 @@ class MLXDist(Magics):
             display_cell(result, quiet=args.quiet)
 
     def _session(self, allow_stopped: bool = False) -> Session:
-        _wait_for_background_start()
+        wait_for_start()
         try:
             s = api.current_session()
         except NotStartedError as e:
             raise UsageError(str(e)) from None
         if s.state == "stopped" and not allow_stopped:
             raise UsageError("the session is stopped: run %mlxdist start -n N")
+        s.policy = self._policy()
         return s
+
+    def _policy(self) -> config.Policy:
+        """``%config MLXDist.policy`` over the defaults (a bad entry: a UsageError)."""
+        try:
+            return config.Policy().updated(self.policy)
+        except ValueError as e:
+            raise UsageError(f"%config MLXDist.{e}") from None
 
     @staticmethod
     def _guard(fn: Any, *a: Any) -> Any:
@@ -415,37 +433,6 @@ class MLXDist(Magics):
             return fn(*a)
         except (SetupError, ShardingError) as e:
             raise UsageError(str(e)) from None
-
-
-def _child_pids() -> set[int]:
-    import psutil
-
-    try:
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-# command lines of the processes a start launches (controller and its schedulers,
-# engines and their nannies, mpirun)
-_STARTED = ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun", "mlx_nbdist")
-
-
-def _started_since(before: set[int]) -> list[Any]:
-    """Live processes under this kernel that a start launched since ``before``."""
-    import psutil
-
-    out = []
-    for pid in _child_pids() - before:
-        try:
-            p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE and any(
-                k in " ".join(p.cmdline()) for k in _STARTED
-            ):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
 
 
 def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0) -> str:
@@ -456,24 +443,7 @@ def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0)
     (an interrupt that landed before the session knew of a process) is ended here, by
     PID and start time: it is this kernel's child, launched by this start.
     """
-    import time
-
-    from .processes import end_pids
-
-    t_end = time.monotonic() + wait
-    left = _started_since(before)
-    while left and time.monotonic() < t_end:
-        time.sleep(0.1)
-        left = _started_since(before)
-    if left:
-        pids = []
-        for p in left:
-            try:
-                pids.append((p.pid, p.create_time()))
-            except Exception:  # noqa: BLE001 - gone meanwhile
-                pass
-        end_pids(pids)
-        left = _started_since(before)
+    left = processes.end_started_since(before, wait)
     again = "" if what == "start" else " (the session is stopped: %mlxdist restart starts it)"
     if not left:
         return f"{what} interrupted; nothing is left running{again}"
@@ -485,75 +455,26 @@ def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0)
 
 
 def _describe(s: Session, ranks: bool = False) -> str:
-    head = (
-        f"MLX group ready: {s.n} ranks, backend={s.backend}, launcher={s.launcher}, "
-        f"session {s.session_id}"
-    )
-    if not ranks:
-        return head
-    lines = [head]
-    for r, info in s.ranks.items():
-        lines.append(
-            f"  rank {r}: {info.device} on {info.host}, pid {info.pid}, engine {info.engine_id}"
-        )
-    return "\n".join(lines)
+    from .viz.status import format_group
+
+    return format_group(s, ranks)
 
 
 _DASHBOARD: Any = None
-_STARTING: dict[str, Any] = {}
 
 
-def start_in_background(session: Session) -> threading.Thread:
-    """Start ``session`` in a thread (the distributed kernel does this at launch).
-
-    The first command that needs the session waits for it, showing the start's
-    progress; a start that failed raises there, with its message.
-    """
-    state: dict[str, Any] = {"session": session, "messages": [], "error": None}
-
-    def run() -> None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                session.start(state["messages"].append)
-            api.set_current_session(session)
-        except BaseException as e:  # noqa: BLE001 - reported to the first cell
-            state["error"] = e
-
-    thread = threading.Thread(target=run, name="mlx_nbdist-start", daemon=True)
-    state["thread"] = thread
-    _STARTING.clear()
-    _STARTING.update(state)
-    thread.start()
-    return thread
-
-
-def _wait_for_background_start() -> None:
-    thread = _STARTING.get("thread")
+def wait_for_start() -> None:
+    """Wait for the kernel's background start, showing its progress; its failure is
+    a UsageError (once)."""
+    thread = api.background_start()
     if thread is None:
         return
-    if thread.is_alive():
-        with _Progress() as progress:
-            seen = 0
-            while thread.is_alive():
-                msgs = _STARTING["messages"]
-                if len(msgs) > seen:
-                    seen = len(msgs)
-                    progress.update(msgs[-1])
-                thread.join(0.1)
-            progress.update("MLX group ready" if _STARTING["error"] is None else "start failed")
-    error = _STARTING.get("error")
-    _STARTING.clear()
-    if error is not None:
-        raise UsageError(
-            f"the MLX session did not start: {error}\n"
-            "start it by hand with %mlxdist start -n N (or restart the kernel)"
-        )
-
-
-def background_start() -> threading.Thread | None:
-    """The thread of a start begun by :func:`start_in_background`, while it is known."""
-    return _STARTING.get("thread")
+    progress = _Progress() if thread.is_alive() else contextlib.nullcontext()
+    try:
+        with progress:
+            api.wait_for_background_start(getattr(progress, "update", None))
+    except StartError as e:
+        raise UsageError(str(e)) from None
 
 
 class _Progress:

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .engine.cells import LEDGER_KEY
 from .errors import CellError, CellInterrupted, CollectiveTimeout
 from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
 from .supervise import Outcome, error_of
 
 #: the key under which a rank publishes its cell's ledger (engine.bootstrap.end_cell)
-LEDGER_KEY = "mlx_nbdist.ledger"
 
 
 def collect(

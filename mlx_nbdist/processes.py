@@ -19,13 +19,13 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from . import launch, watchdog
+from . import runtime, watchdog
+from .watchdog import same_process
 
 #: stopped sessions' directories kept by :func:`cleanup` (the newest ones) ...
 KEEP_SESSIONS = 20
@@ -34,7 +34,7 @@ KEEP_SECONDS = 24 * 3600
 #: a ring hostfile a rank did not remove (killed inside ``mx.distributed.init``) is
 #: stale after this many seconds
 STALE_HOSTFILE = 3600
-_SESSION_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")  # launch.new_session_id()
+_SESSION_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")  # runtime.new_session_id()
 _RANK_FOLDER = re.compile(r"^mlx_nbdist-(.+)-rank(\d+)-[^-]+$")  # bootstrap's mkdtemp
 
 
@@ -75,16 +75,76 @@ def group_members(pgid: int, started: float, marker: str) -> list[tuple[int, flo
     return out
 
 
+#: command lines of the processes a start launches (controller and its schedulers,
+#: engines and their nannies, mpirun)
+STARTED_BY_US = ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun", "mlx_nbdist")
+
+
+def child_pids() -> set[int]:
+    """PIDs of this process's descendants."""
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def started_since(before: set[int]) -> list[psutil.Process]:
+    """Live descendants of this process not in ``before`` that a session start
+    launched (their command line names ipyparallel, mpirun or mlx_nbdist)."""
+    out = []
+    for pid in child_pids() - before:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE and any(
+                k in " ".join(p.cmdline()) for k in STARTED_BY_US
+            ):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def end_started_since(before: set[int], wait: float = 5.0) -> list[psutil.Process]:
+    """After an interrupted start: wait up to ``wait`` s for what it launched since
+    ``before`` to go (ipyparallel's nannies follow their engines within seconds),
+    end what is still there by PID and start time, and return what is left."""
+    t_end = time.monotonic() + wait
+    left = started_since(before)
+    while left and time.monotonic() < t_end:
+        time.sleep(0.1)
+        left = started_since(before)
+    if left:
+        end_pids([x for p in left if (x := identity(p))])
+        left = started_since(before)
+    return left
+
+
+def identity(p: int | psutil.Process) -> tuple[int, float] | None:
+    """``(pid, start time)``: what identifies a process over time; ``None`` if gone."""
+    try:
+        proc = p if isinstance(p, psutil.Process) else psutil.Process(p)
+        return (proc.pid, proc.create_time())
+    except psutil.Error:
+        return None
+
+
+def running(p: psutil.Process) -> bool:
+    """The process runs and is not a zombie."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:
     """End the processes we started (checked by PID and start time), TERM then KILL."""
     procs = []
     for pid, started in pids:
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) < 1.0:
-                procs.append(p)
-        except psutil.Error:
-            pass
+        if same_process(pid, started):
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
     for p in procs:
         try:
             p.terminate()
@@ -126,7 +186,7 @@ def end_recorded(directory: Path | None, grace: float = 3.0) -> list[int]:
 def cleanup() -> list[str]:
     """End and remove what sessions whose notebook is gone left behind.
 
-    For each session directory under :func:`launch.runtime_root` whose notebook
+    For each session directory under :func:`runtime.runtime_root` whose notebook
     process is gone (a zombie counts as gone): SIGKILL its recorded processes (by
     PID and start time) with their children and group members, remove its
     shared-memory segments and rank folders, and mark it stopped. Stopped sessions'
@@ -138,7 +198,7 @@ def cleanup() -> list[str]:
     Returns one line per thing done, e.g. ``session X: ended pids [..], removed 3
     shared-memory segments, 2 rank folders`` (empty: nothing to clean up).
     """
-    root = launch.runtime_root()
+    root = runtime.runtime_root()
     lines = []
     claimed: set[str] = set()
     for d in sorted(root.iterdir()):
@@ -273,23 +333,6 @@ def _mtime(p: Path) -> float:
         return 0.0
 
 
-def same_process(pid: int, started: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
-    except psutil.Error:
-        return False
-
-
 def _client_alive(rec: dict[str, Any]) -> bool:
     """The session's notebook runs (a zombie notebook is dead)."""
     return watchdog.client_alive(int(rec.get("client_pid", 0)), float(rec.get("client_started", 0)))
-
-
-def remote_kill(launcher: Any, pid: int, sig: int) -> Callable[[], None]:
-    def job() -> None:
-        try:
-            launcher.ssh_sender.cmd_kill(pid, int(sig))
-        except Exception:  # noqa: BLE001 - gone already, or the host is unreachable
-            pass
-
-    return job

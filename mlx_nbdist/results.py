@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .enums import TextEnum
+
 #: A rank's cell ended normally.
 OK = "ok"
 #: The user's code raised on that rank.
@@ -154,13 +156,32 @@ class RankInfo:
     backend: str
 
 
+class RankStatus(TextEnum):
+    """What a rank is doing, as its status file and the session tell it; compares equal
+    to its value (``"busy"``). The first four are what a rank publishes itself."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    ERROR = "error"
+    #: its process is gone
+    DEAD = "dead"
+    #: alive, but in a group that is broken
+    BROKEN = "broken"
+    #: its status file is on its own host
+    UNKNOWN = "unknown"
+    #: alive and busy, but silent for longer than ``config.STALE_AFTER``
+    HUNG = "hung"
+
+
+
 @dataclass
 class RankState:
     """A live snapshot of one rank, read from its status file (see engine.monitor)."""
 
     rank: int
     pid: int = 0
-    state: str = "starting"  # starting | idle | busy | error | dead | broken
+    state: RankStatus = RankStatus.STARTING
     cell: int = 0
     cell_started: float | None = None
     last_duration: float | None = None
@@ -288,6 +309,36 @@ class GradSample:
     #: collective that synchronised it (``all_sum`` …) and the bytes it moved on this rank.
     collective: str = ""
     nbytes: int = 0
+    #: tensor parallelism synchronises activation gradients once per step, not per
+    #: parameter: the backward ``all_sum`` calls and bytes of the whole step on this
+    #: rank (the same in each of its rows); ``None`` when the step has no such
+    #: collective of its own (``dp`` and ``fsdp`` count bytes per parameter).
+    step_calls: int | None = None
+    step_nbytes: int | None = None
+
+
+class ShardMode(TextEnum):
+    """How a parameter (or the layer that owns it) is laid out across the ranks.
+
+    A ``str``: a mode compares equal to its value (``ShardMode.FSDP == "fsdp"``),
+    hashes like it and prints as it. What each mode does on a rank is one row of
+    ``mlx_nbdist.engine.sharding.RULES``.
+    """
+
+    #: ``AllToShardedLinear``: whole input, output split across ranks (bwd all_sum)
+    ALL_TO_SHARDED = "all-to-sharded"
+    #: ``ShardedToAllLinear``: split input, output summed to whole (fwd all_sum)
+    SHARDED_TO_ALL = "sharded-to-all"
+    #: under a ``FullyShardedModule``: split on axis 0, gathered for each use
+    FSDP = "fsdp"
+    #: every rank holds all of it
+    REPLICATED = "replicated"
+    #: ``shard_inplace``: sliced like all-to-sharded, but no collective is inserted
+    INPLACE_ALL_TO_SHARDED = "inplace-all-to-sharded"
+    #: ``shard_inplace``: sliced like sharded-to-all, but no collective is inserted
+    INPLACE_SHARDED_TO_ALL = "inplace-sharded-to-all"
+
+
 
 
 @dataclass
@@ -296,7 +347,7 @@ class PlanRow:
 
     path: str
     layer: str
-    mode: str  # all-to-sharded | sharded-to-all | fsdp | replicated
+    mode: ShardMode
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     axis: int | None
@@ -304,3 +355,6 @@ class PlanRow:
     bytes_per_rank: int
     collectives_per_step: str = ""
     problem: str = ""
+
+    def __post_init__(self) -> None:
+        self.mode = ShardMode(self.mode)  # a plain string (rows read back, tests) too

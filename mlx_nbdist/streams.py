@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from .enums import TextEnum
 
-class Kind(str, Enum):
+
+class Kind(TextEnum):
     """What an :class:`OutputEvent` carries."""
 
     STDOUT = "stdout"

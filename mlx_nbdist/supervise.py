@@ -33,6 +33,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .config import Policy
 from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure
 
 _RECV = ("recv", "recv_like")
@@ -41,7 +42,6 @@ _RECV = ("recv", "recv_like")
 class Ranks(Protocol):
     """What the supervisor needs from the session."""
 
-    def rank_pid(self, rank: int) -> int: ...
     def rank_alive(self, rank: int) -> bool: ...
     def rank_paused(self, rank: int) -> bool: ...
     def rank_exit(self, rank: int) -> str: ...
@@ -72,33 +72,6 @@ class Outcome:
     problem: str = ""
     #: collectives were replayed to release ranks (the ranks' ledgers miss them)
     drained: bool = False
-
-
-@dataclass
-class Policy:
-    """Timings of the supervisor, in seconds."""
-
-    timeout: float | None = None
-    #: after a rank failed, how long the others may keep running before they count as stuck
-    failure_grace: float = 2.0
-    #: how long a drain may take before the stuck ranks are ended
-    drain_timeout: float = 3.0
-    #: after SIGINT, how long before the ranks still running are ended
-    interrupt_grace: float = 2.0
-    #: how long every rank must answer the alignment check after a drain or stop
-    align_timeout: float = 5.0
-    #: ranks that all wait to receive from each other, none moving (same records, same
-    #: place in the code), for this long are deadlocked
-    deadlock_grace: float = 3.0
-    poll: float = 0.02
-    #: how often the rank processes are checked for life (each check reads /proc)
-    alive_every: float = 0.2
-    #: how often ``on_tick`` is called while a cell runs
-    tick: float = 0.25
-    #: after the first rank finished, how long before the others' status files are
-    #: read to see whether they wait in a collective it never issued (replies of a
-    #: cell arrive a fraction of a millisecond apart: reading then only delays them)
-    stragglers_after: float = 0.05
 
 
 class Supervisor:

@@ -62,7 +62,7 @@ KILL_WAIT = 5.0
 SHM_DIR = Path("/dev/shm")
 RECORD = "session.json"
 LOG = "watchdog.log"
-#: a session id that is safe in a file name pattern (``launch.new_session_id``)
+#: a session id that is safe in a file name pattern (``runtime.new_session_id``)
 _SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 Pids = dict[int, float]  # pid -> start time (psutil's create_time)

@@ -66,7 +66,7 @@ def session_ports(s: Session) -> set[int]:
                     out.add(c.laddr.port)
         except psutil.Error:
             pass
-    cpid = s._controller_pid()
+    cpid = s.cluster.controller_pid()
     if cpid:
         try:
             out |= {

@@ -260,7 +260,7 @@ def test_failure_names_only_this_cells_collective(fresh2: Session) -> None:
 
 def test_scheduler_death_is_noticed(fresh2: Session) -> None:
     # item 11: a controller scheduler dies while a cell runs
-    controller = psutil.Process(fresh2._controller_pid())
+    controller = psutil.Process(fresh2.cluster.controller_pid())
     scheduler = controller.children()[0]
     threading.Timer(1.0, scheduler.kill).start()
     t0 = time.monotonic()

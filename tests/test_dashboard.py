@@ -20,9 +20,9 @@ import pytest
 from mlx_nbdist import CellError, CellInterrupted, Session, api
 from mlx_nbdist.engine.progress import format_bar, log_scalars, progress
 from mlx_nbdist.results import RankState
+from mlx_nbdist.viz import human_bytes
 from mlx_nbdist.viz.dashboard import Dashboard, model_values, rank_values
 from mlx_nbdist.viz.progress import LiveCell, ProgressPanel, scalar_svg
-from mlx_nbdist.viz.sharding import human_bytes
 
 from .conftest import strip_ansi
 
@@ -49,7 +49,7 @@ def poll(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> An
 
 def busy_now(dash: Dashboard, session: Session) -> bool:
     """Every rank of the dashboard is busy in the session's latest cell (not a stale one)."""
-    cell = f"cell {session._cell} ·"
+    cell = f"cell {session.cell} ·"
     return all(
         v["state"] == "busy" and v["cell"].startswith(cell) for v in dash.values()["ranks"].values()
     )
@@ -184,6 +184,24 @@ def test_live_cell_text_mode_and_silence(session2: Session) -> None:
     assert [(b["n"], b["done"]) for b in per_rank.values()] == [(3, True), (3, True)]
 
 
+def test_cell_that_failed_before_dispatch_shows_no_bars(session2: Session) -> None:
+    # the previous cell published bars; the next one never reaches the ranks (a bad
+    # --timeout fails before dispatch): its area must not show the previous bars
+    session2.run(PROGRESS_CELL.format(steps=3, pause=0))
+    assert session2.published_in(session2.cell)
+    before = session2.cell
+    shown: list[Any] = []
+    out = io.StringIO()
+    widget = LiveCell(session2, mode="widget", display=shown.append)
+    text = LiveCell(session2, mode="text", stream=out)
+    for live in (widget, text):
+        with pytest.raises(ValueError, match="timeout"), live:
+            session2.run("x = 1", timeout=-1, on_tick=live.tick)
+    assert session2.cell == before  # nothing was sent
+    assert shown == [] and widget.panel is None and not widget.shown
+    assert out.getvalue() == "" and not text.shown
+
+
 # --------------------------------------------------------------------------- dashboard
 
 
@@ -277,7 +295,7 @@ def _shapes(name: str) -> dict[str, tuple[int, ...]]:
 
 
 def _unwatch() -> None:
-    from mlx_nbdist.engine.monitor import watch_model
+    from mlx_nbdist.engine.rpc import watch_model
 
     watch_model(None)
 

@@ -156,7 +156,7 @@ def test_engine_killed_between_cells_is_reported_before_dispatch(fresh2: Session
     victim = fresh2.ranks[1].pid
     os.kill(victim, signal.SIGKILL)
     t_end = time.monotonic() + 5
-    while fresh2.rank_alive(1) and time.monotonic() < t_end:
+    while fresh2.group.rank_alive(1) and time.monotonic() < t_end:
         time.sleep(0.05)
     with pytest.raises(SessionBrokenError) as info:
         fresh2.run("print(rank)", timeout=30)
@@ -243,10 +243,13 @@ def test_stale_rank_on_an_old_port_does_not_join_a_new_session(tmp_path) -> None
     import subprocess
     import sys
 
-    from mlx_nbdist import launch
+    from mlx_nbdist import runtime
+    from mlx_nbdist.engine.rpc import free_ports
 
-    ports = launch.free_ports(2)
-    hostfile = launch.write_hostfile(tmp_path / "old.json", ports)
+    ports = free_ports(["127.0.0.1"] * 2)
+    hostfile = runtime.write_ring_hostfile(
+        tmp_path / "old.json", [[f"127.0.0.1:{p}"] for p in ports]
+    )
     env = dict(os.environ, MLX_RANK="1", MLX_HOSTFILE=str(hostfile))
     stale = subprocess.Popen(
         [sys.executable, "-c", "import mlx.core as mx; mx.distributed.init(backend='ring', strict=True)"],

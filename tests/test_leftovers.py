@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from mlx_nbdist import Session, launch, processes
+from mlx_nbdist import Session, processes, runtime
 
 from .conftest import is_ours, listening_ports, wait_gone
 
@@ -166,7 +166,7 @@ def test_kernel_death_while_every_rank_holds_the_gil_leaves_nothing(tmp_path) ->
         tmp_path,
         "s = Session(2).start()\n"
         "wd = guard(s)\n"
-        f"s._view([0, 1]).execute({GIL_HOG!r}, block=False)\n"
+        f"s.view([0, 1]).execute({GIL_HOG!r}, block=False)\n"
         "time.sleep(1.0)\n"
         "report(s, wd)\n",
     )
@@ -199,7 +199,7 @@ def test_kernel_death_after_rank_0_died_leaves_nothing(tmp_path) -> None:
 
 def test_stop_after_the_controller_died_leaves_no_scheduler(fresh2: Session) -> None:
     s = fresh2
-    cpid = s._controller_pid()
+    cpid = s.cluster.controller_pid()
     schedulers = psutil.Process(cpid).children()
     assert len(schedulers) >= 4
     ports = set()
@@ -378,7 +378,7 @@ def test_watchdog_will_not_start_for_a_process_that_is_not_the_notebook(tmp_path
 
 def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
-    root = launch.runtime_root()
+    root = runtime.runtime_root()
     notebook = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; never waited for
     orphan = _sleeper(with_child=True)
     bystander = _sleeper()
@@ -463,7 +463,7 @@ def test_cleanup_without_dev_shm_skips_segments_silently(tmp_path, monkeypatch) 
     notebook = subprocess.Popen([sys.executable, "-c", "pass"])
     notebook.wait()
     sid = _sid()
-    _record(launch.runtime_root() / sid, sid, notebook.pid, 1.0, [])
+    _record(runtime.runtime_root() / sid, sid, notebook.pid, 1.0, [])
     folder = Path(tempfile.mkdtemp(prefix=f"mlx_nbdist-{sid}-rank1-"))
     try:
         assert watchdog.shm_segments(sid) == [] and watchdog.remove_files("") == (0, 0)

@@ -33,12 +33,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
-from mlx_nbdist import CellError, CollectiveTimeout, Session, SetupError, StartError, launch
+from mlx_nbdist import CellError, CollectiveTimeout, Session, SetupError, StartError, launchers
 from mlx_nbdist import hosts as H
+from mlx_nbdist.launchers.mpi import MPILauncher, find_mpirun, mpi_args
+from mlx_nbdist.launchers.ssh import SSHLauncher
 
 from .conftest import _ours_anywhere, wait_gone
 
@@ -137,13 +140,12 @@ def test_slurm_allocation_from_a_fake_environment(tmp_path: Path) -> None:
 def test_mpirun_command_line_across_hosts(tmp_path: Path) -> None:
     """One machine: the generated mpirun command and hostfile are checked, not run."""
     try:
-        mpirun = launch.find_mpirun()
+        mpirun = find_mpirun()
     except SetupError as e:
         pytest.skip(str(e))
     p = H.from_list("nodeA,nodeB", 4)
     p.envs = ["MLX_EXTRA=1"]
-    cluster = launch.make_cluster(n=4, launcher="mpi", session_id="t", directory=tmp_path,
-                                  placement=p, controller_ip="127.0.0.1")
+    cluster = _mpi_cluster(tmp_path, p, 4, "t")
     lnch = cluster.engine_launcher_class(parent=cluster, profile_dir=cluster.profile_dir,
                                          cluster_id="t")
     lnch.n = 4
@@ -156,21 +158,53 @@ def test_mpirun_command_line_across_hosts(tmp_path: Path) -> None:
     assert {"IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR", "MLX_EXTRA"} <= exported
     assert args[args.index("mlx_nbdist.engine.mpi_entry") + 1] == "--mpi"
     # without hosts: this machine only, nothing exported
-    local = launch.make_cluster(n=2, launcher="mpi", session_id="u", directory=tmp_path)
+    local = _mpi_cluster(tmp_path, None, 2, "u")
     largs = local.engine_launcher_class(parent=local, profile_dir=local.profile_dir).find_args()
     assert "--hostfile" not in largs and "-x" not in largs
 
 
+def _mpi_cluster(tmp_path: Path, placement: Any, n: int, sid: str) -> Any:
+    import ipyparallel as ipp
+
+    kw = MPILauncher(placement, n=n).cluster_kwargs(tmp_path)
+    return ipp.Cluster(n=n, cluster_id=sid, profile_dir=str(tmp_path / "profile"),
+                       controller_ip="127.0.0.1", **kw)
+
+
+def test_mpirun_options_fit_the_user_and_the_machine() -> None:
+    """--allow-run-as-root only as root, --oversubscribe only past the cores."""
+    assert mpi_args(2, euid=1000, cores=8) == ["--bind-to", "none"]
+    assert mpi_args(4, euid=0, cores=2) == [
+        "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+
+
+def test_launcher_registry_feeds_the_magic_and_names_bad_input() -> None:
+    from mlx_nbdist.magics import _line_parser
+
+    assert set(launchers.LAUNCHERS) == {"local", "ssh", "mpi"}
+    start = _line_parser()._subparsers._group_actions[0].choices["start"]
+    choices = next(a.choices for a in start._actions if a.dest == "launcher")
+    assert list(choices) == list(launchers.LAUNCHERS)
+    with pytest.raises(SetupError, match="unknown launcher 'srun'; choose one of local, ssh, mpi"):
+        launchers.create("srun", None, 2)
+    with pytest.raises(SetupError, match="unknown backend 'nccl'"):
+        Session(2, backend="nccl")
+    with pytest.raises(SetupError, match="--launcher ssh needs hosts"):
+        launchers.create("ssh", None, 2).check(launchers.backend_of("ring"))
+    with pytest.raises(SetupError, match="--backend mpi needs --launcher mpi"):
+        launchers.create("local", None, 2).check(launchers.backend_of("mpi"))
+
+
 def test_ssh_launcher_settings_and_controller_address() -> None:
     p = H.from_list("a,me@b", 3)
-    kw = launch.ssh_cluster_kwargs(p)
+    kw = SSHLauncher(p).cluster_kwargs(Path("."))
     cfg = kw["config"]
     assert kw["engines"] == "ssh"
     assert cfg.SSHEngineSetLauncher.engines == {"a": 2, "me@b": 1}
     assert cfg.SSHLauncher.ssh_cmd == ["ssh"] and "BatchMode=yes" in cfg.SSHLauncher.ssh_args
     assert cfg.SSHLauncher.remote_python == sys.executable
     assert cfg.SSHEngineLauncher.to_send == []  # connection info goes in the environment
-    custom = launch.ssh_cluster_kwargs(p, ["my-ssh"], python="/opt/py")["config"]
+    custom = SSHLauncher(p, ssh_cmd=["my-ssh"], python="/opt/py").cluster_kwargs(Path("."))["config"]
     assert custom.SSHLauncher.ssh_cmd == ["my-ssh"] and custom.SSHLauncher.ssh_args == []
     assert custom.SSHLauncher.remote_python == "/opt/py"
     with pytest.raises(SetupError, match="is not an address of this machine"):
@@ -352,7 +386,7 @@ print(i)
 
 
 def _pids(s: Session) -> list[int]:
-    return [info.pid for info in s.ranks.values()] + [s._controller_pid()]
+    return [info.pid for info in s.ranks.values()] + [s.cluster.controller_pid()]
 
 
 def test_two_hosts_all_sum_sharded_mlp_restart_and_a_cut_link(net: Net, tmp_path: Path) -> None:
@@ -374,7 +408,7 @@ def test_two_hosts_all_sum_sharded_mlp_restart_and_a_cut_link(net: Net, tmp_path
             assert ns == net.hosts[r]
 
         # nothing listens on every interface; the controller only on the bridge
-        ctl = psutil.Process(s._controller_pid())
+        ctl = psutil.Process(s.cluster.controller_pid())
         ctl_addrs = {c.laddr.ip for c in ctl.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         assert ctl_addrs == {net.controller_ip}
         for r in (0, 1):
@@ -447,8 +481,8 @@ def test_remote_fallback_without_shared_pids_or_files(net: Net, tmp_path: Path) 
     s.start()
     try:
         assert not any(p.local or p.shared_files for p in s.places.values())
-        assert s._procs == {}
-        assert all(s.rank_alive(r) for r in (0, 1))
+        assert s.group is not None and s.group.procs == {}
+        assert all(s.group.rank_alive(r) for r in (0, 1))
         assert s.rank_record(0) == {} and s.rank_states()[1].state == "unknown"
         assert s.run(ALL_SUM).stdout(0) == "[3.0, 3.0, 3.0]\n"
         victim = s.ranks[1].pid

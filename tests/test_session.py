@@ -156,7 +156,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
 
     import psutil
 
-    from mlx_nbdist import launch
+    from mlx_nbdist import runtime
     from mlx_nbdist.processes import cleanup
 
     monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
@@ -166,7 +166,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         started = psutil.Process(orphan.pid).create_time()
-        d = launch.session_dir("dead-session")
+        d = runtime.session_dir("dead-session")
         (d / "session.json").write_text(json.dumps({
             "session_id": "dead-session", "client_pid": dead_client.pid, "client_started": 1.0,
             "state": "ready",

@@ -24,9 +24,9 @@ import zmq
 
 import mlx_nbdist
 from mlx_nbdist import CellError, Session, ShardingError
+from mlx_nbdist.engine.sharding import FSDP_NO_GRADIENTS
 from mlx_nbdist.results import TensorSlice
 from mlx_nbdist.session import OversubscribedWarning
-from mlx_nbdist.sharding import FSDP_NO_GRADIENTS
 from mlx_nbdist.viz import human_bytes, rank_color
 
 COMMON = """
@@ -430,33 +430,34 @@ def test_slices_sample_and_zero_copy(s2):
         stride = math.ceil(w.shape[0] / sm.data.shape[0])
         np.testing.assert_array_equal(sm.data, w.data[::stride, ::stride])
         assert sm.summary == pytest.approx(w.summary)  # the stats cover the whole slice
-    from mlx_nbdist.engine import remote, transfer
+    from mlx_nbdist.client import transfer
+    from mlx_nbdist.engine import rpc
 
     # each rank holds what it lent until the notebook's next request says it is no
     # longer used: here the sampled pull released the whole one, and only the
     # sample is still held
-    assert {r: v["pinned"] for r, v in s2.apply(transfer.pool_state).items()} == {0: 1, 1: 1}
+    assert {r: v["pinned"] for r, v in s2.apply(rpc.pool_state).items()} == {0: 1, 1: 1}
     # ranks on the notebook's host (Linux), slices under POOL_MIN: the notebook
     # copies each slice straight out of the rank's memory; no file, no pickle
     assert transfer.vm_available() and s2.receiver.routes == ["pool", "vm"]
     host = socket.gethostname()
     for _, (_m, info, values) in s2.apply(
-        remote.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, ("pool", "vm")
+        rpc.slice_of, "zc.layers.0.weight", None, s2.shm_prefix, host, ("pool", "vm")
     ).items():
         assert values is None and info["route"] == "vm" and {"pid", "addr", "nbytes"} <= set(info)
     for sl in whole:
         assert sl.data.base is not None and sl.data.base.flags.owndata  # a uint8 copy, viewed
     assert not list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
     with pytest.raises(OSError, match="reading rank memory"):
-        transfer._vm_read(2**22 + 12345, 0x1000, np.empty(8, np.uint8))  # no such process
+        transfer.vm_read(2**22 + 12345, 0x1000, np.empty(8, np.uint8))  # no such process
     # a rank on another host (no shared memory): 8 KiB arrive as their own zmq frame,
     # not inside the pickle
-    for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.0.weight", None).items():
+    for _, (_meta, _info, values) in s2.apply(rpc.slice_of, "zc.layers.0.weight", None).items():
         owner = buffer_owner(values)
         assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame), type(owner)
     # control: a 128-byte bias is under ipyparallel's buffer threshold and travels
     # in-band, so the check above does tell the two apart
-    for _, (_meta, _info, values) in s2.apply(remote.slice_of, "zc.layers.2.bias", None).items():
+    for _, (_meta, _info, values) in s2.apply(rpc.slice_of, "zc.layers.2.bias", None).items():
         assert isinstance(buffer_owner(values), bytes)
 
 
@@ -465,7 +466,8 @@ def test_slices_shared_memory_pool(s2):
     the notebook's array is the segment; a segment is reused once no array uses it."""
     import gc
 
-    from mlx_nbdist.engine import transfer
+    from mlx_nbdist.client.transfer import Lease
+    from mlx_nbdist.engine import rpc, transfer
 
     n = 2**19  # 2 MiB of float32 per rank
     want = [np.arange(n, dtype=np.float32) + r * n for r in range(2)]
@@ -473,11 +475,11 @@ def test_slices_shared_memory_pool(s2):
     s2.run("from mlx_nbdist.engine import transfer as _t")
 
     def state() -> list[tuple[int, int]]:
-        s2.apply(transfer.settle)  # segments being made in the background
-        return [(v["busy"], v["free"]) for v in s2.apply(transfer.pool_state).values()]
+        s2.apply(rpc.settle)  # segments being made in the background
+        return [(v["busy"], v["free"]) for v in s2.apply(rpc.pool_state).values()]
 
     def pooled(sl: TensorSlice) -> bool:
-        return isinstance(buffer_owner(sl.data), transfer._Lease)
+        return isinstance(buffer_owner(sl.data), Lease)
 
     def files() -> list[Path]:
         return list(Path("/dev/shm").glob(f"mlxnb-{s2.session_id}-*"))
@@ -494,7 +496,7 @@ def test_slices_shared_memory_pool(s2):
     # the rank's value changes; the array the notebook still holds does not
     s2.run("pool = pool * 2\nmx.eval(pool)")
     third = mlx_nbdist.slices("pool", session=s2)  # the one segment is busy: vm again
-    s2.apply(transfer.settle)  # (a pull before the new segment is made: vm once more)
+    s2.apply(rpc.settle)  # (a pull before the new segment is made: vm once more)
     fourth = mlx_nbdist.slices("pool", session=s2)  # in a second segment
     for sl, old, w in zip(fourth, second, want, strict=True):
         np.testing.assert_array_equal(old.data, w)
@@ -517,7 +519,7 @@ def test_slices_shared_memory_pool(s2):
     try:
         assert all(map(pooled, mlx_nbdist.slices("pool", session=s2)))
         assert state() == [(1, 0), (1, 0)]
-        assert len(s2.receiver._segments) == 2  # one mapping per rank
+        assert s2.receiver.mapped() == 2  # one mapping per rank
     finally:
         s2.run(f"_t.POOL_IDLE = {transfer.POOL_IDLE}")
     assert not files()

@@ -16,9 +16,9 @@ import pytest
 from mlx.nn.layers import distributed as mxd
 
 from mlx_nbdist.engine.gradsync import grad_sync
+from mlx_nbdist.engine.sharding import param_specs, plan, shard
 from mlx_nbdist.engine.slices import local_slice, model_shards
 from mlx_nbdist.errors import ShardingError
-from mlx_nbdist.sharding import param_specs, plan, shard
 
 
 def _mlp(din: int = 64, dh: int = 256, dout: int = 64, seed: int = 0) -> nn.Sequential:

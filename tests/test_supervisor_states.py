@@ -55,9 +55,6 @@ class FakeRanks:
             self.futures[rank].set_exception(error)
 
     # -- the protocol ---------------------------------------------------------------
-    def rank_pid(self, rank: int) -> int:
-        return 1000 + rank
-
     def rank_alive(self, rank: int) -> bool:
         return self.alive[rank]
 

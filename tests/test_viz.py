@@ -562,7 +562,7 @@ def tp_samples(calls: int, nbytes: int, per_rank: dict[int, tuple[int, int]] | N
                 "all_sum of input grads in bwd (sum_gradients" if c else
                 "none (replicated, not synchronised")
             out.append(GradSample(name, rank, replicated, 1.0, 1.0, 0.0, shape,
-                                  f"{what}; {step})", 0))
+                                  f"{what}; {step})", 0, step_calls=c, step_nbytes=b))
     return out
 
 
@@ -598,6 +598,16 @@ def test_gradsync_bytes_note_when_nothing_was_synchronised():
                                             "backward all_sum of activation gradients moved "
                                             "1.0 KiB per step on each rank (1 call)")
     assert "no per-parameter" not in format_gradsync(grad_samples())
+
+
+def test_gradsync_step_numbers_are_fields_not_text():
+    # the note reads step_calls / step_nbytes; the collective text is only for people
+    fields_only = [GradSample("w", r, True, 1.0, 1.0, 0.0, (4,), "all_sum (bwd)", 0,
+                              step_calls=2, step_nbytes=2048) for r in range(2)]
+    assert "moved 2.0 KiB per step on each rank (2 calls)" in _note(gradsync_figure(fields_only))
+    text_only = [GradSample("w", r, True, 1.0, 1.0, 0.0, (4,),
+                            "all_sum (bwd all_sum/step: 2 calls, 2,048 B)", 0) for r in range(2)]
+    assert _note(gradsync_figure(text_only)).startswith("no collective moved gradient bytes")
 
 
 # --------------------------------------------------------------------------- plan
@@ -678,6 +688,56 @@ def test_format_plan_text():
     assert "ideal 25.0% on 4 ranks" in lines[-1]
 
 
+def test_plan_problems_and_warnings_follow_the_table():
+    text = format_plan(PLAN, 4, problems=["odd <axis>"], warnings=["inplace"])
+    assert text.splitlines()[-3].startswith("total per rank")
+    assert text.splitlines()[-2:] == ["problem: odd <axis>", "warning: inplace"]
+    table = plan_table_html(PLAN, 4, problems=["odd <axis>"], warnings=["inplace"])
+    assert table.startswith(plan_table_html(PLAN, 4))
+    assert table.endswith("<ul><li style='color:#b00'>odd &lt;axis&gt;</li>"
+                          "<li style='color:#a60'>inplace</li></ul>")
+    assert "<ul>" not in plan_table_html(PLAN, 4)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_status_text_of_a_session():
+    from types import SimpleNamespace
+
+    from mlx_nbdist.results import RankInfo, RankState
+    from mlx_nbdist.viz.status import dashboard_text, format_group, format_status, rank_values
+
+    ranks = {r: RankInfo(r, 10 + r, 100 + r, "h", "Device(cpu, 0)", 2, "ring") for r in (0, 1)}
+    live = {0: RankState(rank=0, state="busy", cell=3, cell_started=90.0, collectives=5)}
+    st = SimpleNamespace(session_id="s1", state="ready", n=2, backend="ring", launcher="local",
+                         uptime=61.6, broken_reason="", ranks=ranks, alive={0: True}, live=live)
+    assert format_status(st, now=92.5).splitlines() == [
+        "session s1: ready, 2 ranks, backend=ring, launcher=local, up 62 s",
+        "  rank 0: busy cell 3 for 2.5 s, pid 100 on h, Device(cpu, 0), engine 10, 5 collectives",
+        "  rank 1: dead, pid 101 on h, Device(cpu, 0), engine 11",
+    ]
+    assert format_group(st) == "MLX group ready: 2 ranks, backend=ring, launcher=local, session s1"
+    assert format_group(st, ranks=True).splitlines()[2] == (
+        "  rank 1: Device(cpu, 0) on h, pid 101, engine 11")
+    header = {"session": "s1", "state": "ready", "n": "2", "backend": "ring",
+              "launcher": "local", "uptime": "1m 02s"}
+    row = rank_values(live[0], now=92.5)
+    assert dashboard_text(header, {0: row}).splitlines() == [
+        "session s1: ready, 2 ranks, backend=ring, launcher=local, up 1m 02s",
+        "  rank 0: busy     cell 3 · 2.50 s    last -                      -  "
+        "mem 0 B / 0 B  0 B · 0%  coll 5 · 0 B",
+    ]
+
+
+def test_one_rank_colour_for_figures_and_html():
+    from mlx_nbdist.viz.common import rank_hex
+
+    assert [rank_hex(r) for r in range(3)] == ["#1f77b4", "#ff7f0e", "#2ca02c"]
+    for r in range(40):
+        assert mcolors.to_hex(rank_color(r)) == rank_hex(r)
+
+
 # --------------------------------------------------------------------------- hygiene
 
 
@@ -694,6 +754,14 @@ def test_viz_imports_neither_mlx_nor_session():
             for name in names:
                 assert not re.match(r"^mlx(\.|$)", name), (path.name, name)
                 assert "session" not in name, (path.name, name)
+
+
+def test_viz_modules_import_no_private_names():
+    for path in VIZ_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or "mlx_nbdist" in node.module):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (path.name, node.module, private)
 
 
 def test_figures_render_to_png(tmp_path, rng):

@@ -15,47 +15,20 @@ Starting a group takes three calls from the session, each on every engine:
    this session (a stale process from an earlier session on a reused port could
    otherwise join it), and defines ``mx``, ``nn``, ``world``, ``rank`` and ``size``
    for the user's cells.
+
+The session applies these through :mod:`mlx_nbdist.engine.rpc`. Nothing here imports
+MLX until :func:`bootstrap` runs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import output as _output
-from .monitor import Monitor
-from .tracker import Tracker
-
-
-@dataclass
-class EngineState:
-    """What the bootstrap installed on this engine."""
-
-    world: Any
-    rank: int
-    size: int
-    session_id: str
-    tracker: Tracker
-    monitor: Monitor
-
-
-_STATE: EngineState | None = None
-
-
-def current() -> EngineState:
-    """The engine's state; raises when called outside a started rank."""
-    if _STATE is None:
-        raise RuntimeError(
-            "this code must run inside a %%mlxdist cell on a started rank "
-            "(mlx_nbdist's bootstrap has not run in this process)"
-        )
-    return _STATE
+from . import cells, output, state
 
 
 def probe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -74,24 +47,14 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
     """
     import psutil
 
+    from ..hosts import local_addresses, route_address
+
     me = psutil.Process()
-    addresses = sorted(
-        {
-            a.address
-            for addrs in psutil.net_if_addrs().values()
-            for a in addrs
-            if a.family == socket.AF_INET
-        }
-    )
+    addresses = local_addresses()
     route = ""
     if cfg.get("controller_ip"):
         try:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                s.connect((cfg["controller_ip"], 9))  # UDP connect: no packet is sent
-                route = s.getsockname()[0]
-            finally:
-                s.close()
+            route = route_address(cfg["controller_ip"])  # UDP connect: no packet is sent
         except OSError:
             route = ""
     try:
@@ -171,12 +134,14 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
             ``watch_client`` (end this engine when the client's process is gone;
             only possible when this host sees that process).
     """
-    global _STATE
     import mlx.core as mx
     import mlx.nn as nn
 
-    if _STATE is not None:
-        raise RuntimeError(f"rank {_STATE.rank} is already bootstrapped")
+    from .monitor import Monitor
+    from .tracker import Tracker
+
+    if state.started():
+        raise RuntimeError(f"rank {state.current().rank} is already bootstrapped")
     backend, size = cfg["backend"], int(cfg["size"])
     # Left in the notebook's environment by an earlier ``mlx.launch`` run, these would
     # make MLX join *that* group (a group of one blocks trying to reach its ring).
@@ -224,18 +189,19 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         if shared
         else tempfile.mkdtemp(prefix=f"mlx_nbdist-{cfg['session_id']}-rank{rank}-")
     )
-    monitor_cls = Monitor if cfg.get("watch_client", True) else _UnwatchedMonitor
-    monitor = monitor_cls(
+    monitor = Monitor(
         tracker,
         status_dir,
         client_pid=int(cfg["client_pid"]),
         client_started=float(cfg["client_started"]),
         reap_pids=list(cfg.get("reap_pids", [])) if rank == 0 else [],
         device=device,
+        watch_client=bool(cfg.get("watch_client", True)),
     )
-    _STATE = EngineState(world, rank, size, cfg["session_id"], tracker, monitor)
-    _output.install(status_dir, rank)
-    _prepare_shell(mx, nn, _STATE)
+    st = state.EngineState(world, rank, size, cfg["session_id"], tracker, monitor)
+    state.install(st)
+    output.install(status_dir, rank)
+    _prepare_shell(mx, nn, st)
     monitor.start()
     return {
         "rank": rank,
@@ -260,18 +226,6 @@ _MLX_GROUP_VARS = (
 )
 
 
-class _UnwatchedMonitor(Monitor):
-    """A monitor on a host that cannot see the notebook's process.
-
-    Liveness of the client cannot be checked from here; the engine relies on
-    ipyparallel's heartbeat with the controller instead (an idle engine stops
-    after missing its heartbeats).
-    """
-
-    def _client_alive(self) -> bool:
-        return True
-
-
 def _check_membership(mx: Any, world: Any, token: int, session_id: str) -> None:
     tokens = mx.distributed.all_gather(mx.array([token], dtype=mx.int32), group=world)
     got = tokens.tolist()
@@ -284,7 +238,7 @@ def _check_membership(mx: Any, world: Any, token: int, session_id: str) -> None:
         )
 
 
-def _prepare_shell(mx: Any, nn: Any, st: EngineState) -> None:
+def _prepare_shell(mx: Any, nn: Any, st: state.EngineState) -> None:
     from IPython import get_ipython
 
     ip = get_ipython()
@@ -295,100 +249,5 @@ def _prepare_shell(mx: Any, nn: Any, st: EngineState) -> None:
         ip.run_line_magic("matplotlib", "inline")
     except Exception:  # noqa: BLE001 - figures are optional
         pass
+    cells.install_hooks(ip)
 
-    def pre_run_cell(info: Any) -> None:
-        begin(_cell_meta(ip))
-
-    def post_run_cell(result: Any) -> None:
-        try:
-            end_cell()
-        finally:
-            _output.end_cell()
-            st.monitor.cell_finished(
-                "ok" if result.success else type(result.error_in_exec).__name__
-            )
-
-    ip.events.register("pre_run_cell", pre_run_cell)
-    ip.events.register("post_run_cell", post_run_cell)
-
-
-def begin(meta: dict[str, Any]) -> None:
-    """Start a cell or apply on this rank: cell number, active ranks, check mode."""
-    st = current()
-    cell = int(meta.get("cell", 0))
-    st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
-    _output.begin_cell(cell, limit=meta.get("output_limit"))
-    st.monitor.cell_started(cell)
-
-
-def end_cell() -> None:
-    """End a cell or apply on this rank: run its unevaluated collectives (see
-    :meth:`Tracker.settle`) and send the notebook this cell's ledger, when it issued
-    any collective, to compare across ranks."""
-    st = current()
-    st.tracker.settle()
-    if st.tracker.cell_count:
-        from ipyparallel.datapub import publish_data
-
-        try:
-            publish_data({LEDGER_KEY: st.tracker.ledger()})
-        except Exception:  # noqa: BLE001 - no kernel (plain process): nobody to tell
-            pass
-
-
-#: the key of a cell's ledger among the data a rank publishes (``md["data"]``)
-LEDGER_KEY = "mlx_nbdist.ledger"
-
-
-def _cell_meta(ip: Any) -> dict[str, Any]:
-    """The session sends a cell's metadata as the execute request's label."""
-    try:
-        label = ip.kernel.get_parent()["metadata"].get("label") or ""
-    except Exception:  # noqa: BLE001 - no kernel (plain shell): no metadata
-        return {}
-    if not label.startswith('{"mlxdist"'):
-        return {}
-    return json.loads(label)
-
-
-def call(meta: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` for :meth:`Session.apply` with the cell's metadata in effect."""
-    begin(meta)
-    status = "ok"
-    try:
-        return fn(*args, **kwargs)
-    except BaseException as e:
-        status = type(e).__name__
-        raise
-    finally:
-        try:
-            end_cell()
-        finally:
-            _output.end_cell()
-            current().monitor.cell_finished(status)
-
-
-def drain(records: list[dict[str, Any]]) -> list[str]:
-    """Replay a stuck peer's collectives here (see :func:`tracker.drain`)."""
-    from .tracker import drain as _drain
-
-    return _drain(current().tracker, records)
-
-
-def receive_unmatched(messages: list[dict[str, Any]]) -> int:
-    """Drop messages sent to this rank that it never received (see tracker)."""
-    from .tracker import receive_unmatched as _receive
-
-    return _receive(current().tracker, messages)
-
-
-def align(nonce: int) -> dict[str, Any]:
-    """Check that the group's streams are in step (see :func:`tracker.align`)."""
-    from .tracker import align as _align
-
-    return _align(current().tracker, nonce)
-
-
-def heartbeat() -> float:
-    """A trivial call used to check that an engine answers."""
-    return time.time()

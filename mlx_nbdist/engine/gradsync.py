@@ -31,8 +31,9 @@ What "before" and "after" mean depends on how the model is parallelised:
 Limits: one group (no 2-D TP x DP); ``tp`` assumes every rank feeds the same batch
 (``max_diff_after`` of replicated parameters shows when they do not); the TP
 backward ``all_sum`` moves activation gradients shared by every upstream parameter,
-so its calls and bytes per step are reported in every row's ``collective`` text
-(``bwd all_sum/step: K calls, N B``) and ``nbytes`` is 0 for every ``tp`` row (a
+so its calls and bytes per step are reported in every row (``step_calls``,
+``step_nbytes``, and in words in ``collective``: ``bwd all_sum/step: K calls, N B``)
+and ``nbytes`` is 0 for every ``tp`` row (a
 backward where no input of an all-to-sharded layer needs a gradient, e.g. a Megatron
 MLP fed the data directly, does no all_sum at all: K = 0); the ``fsdp``
 before-gradient ignores ``compute_dtype``, and ``fsdp`` needs a backend with
@@ -53,8 +54,9 @@ import numpy as np
 from mlx.nn.layers import distributed as mxd
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..results import GradSample
-from ..sharding import FSDP, NO_SUM_SCATTER, REPLICATED, ParamSpec, has_sum_scatter, param_specs
+from ..results import GradSample, ShardMode
+from . import _mlx
+from .sharding import NO_SUM_SCATTER, ParamSpec, has_sum_scatter, param_specs
 
 __all__ = ["grad_sync"]
 
@@ -98,18 +100,20 @@ def grad_sync(
     step = {"dp": _dp_step, "tp": _tp_step, "fsdp": _fsdp_step}[mode]
     saved = model.parameters()
     try:
-        before, after, sync = step(model, loss_fn, args, group, specs)
+        before, after, sync, per_step = step(model, loss_fn, args, group, specs)
         mx.eval(before, after)
     finally:
         model.update(saved)  # a failed pass must not leave unevaluable arrays behind
     replicated = [p for p in after if specs[p].axis is None]
     diffs = _diff_to_rank0({p: after[p] for p in replicated}, group)
+    step_calls, step_nbytes = per_step or (None, None)
     return [
         GradSample(
             name=path, rank=group.rank(), replicated=specs[path].axis is None,
             norm_before=_norm(before[path]), norm_after=_norm(after[path]),
             max_diff_after=diffs.get(path, 0.0), shape=tuple(after[path].shape),
             collective=sync[path][0], nbytes=sync[path][1],
+            step_calls=step_calls, step_nbytes=step_nbytes,
         )
         for path in after
     ]
@@ -117,12 +121,16 @@ def grad_sync(
 
 def _auto_mode(specs: dict[str, ParamSpec]) -> str:
     modes = {s.mode for s in specs.values()}
-    if FSDP in modes:
+    if ShardMode.FSDP in modes:
         return "fsdp"
-    return "tp" if modes - {REPLICATED} else "dp"
+    return "tp" if modes - {ShardMode.REPLICATED} else "dp"
 
 
-_Step = tuple[dict[str, mx.array], dict[str, mx.array], dict[str, tuple[str, int]]]
+#: (gradients before sync, after sync, per parameter the collective's text and bytes,
+#: the (calls, bytes) of the step's own collective or None: GradSample.step_calls…)
+_Step = tuple[
+    dict[str, mx.array], dict[str, mx.array], dict[str, tuple[str, int]], tuple[int, int] | None
+]
 
 
 def _grads(model: nn.Module, loss_fn: Callable[..., mx.array], args: tuple) -> dict[str, mx.array]:
@@ -143,7 +151,7 @@ def _dp_step(
         p: (f"all_sum / {n} (average_gradients)", g.nbytes) if n > 1 else ("none (1 rank)", 0)
         for p, g in grads.items()
     }
-    return grads, averaged, sync
+    return grads, averaged, sync, None
 
 
 def _tp_step(
@@ -167,15 +175,13 @@ def _tp_step(
             sync[path] = (f"none (local shard gradient; {step})", 0)
         else:
             sync[path] = (f"none (replicated, not synchronised; {step})", 0)
-    return before, after, sync
+    return before, after, sync, (len(recorded), sum(recorded))
 
 
 def step_collective_text(calls: int, nbytes: int) -> str:
-    """How the tensor-parallel backward synchronised this step, as rows report it.
-
-    ``mlx_nbdist.viz.gradsync`` reads this text back (``calls``, ``nbytes``) to say
-    what moved when no row has bytes of its own; keep the two in step.
-    """
+    """How the tensor-parallel backward synchronised this step, in each row's
+    ``collective`` text (for people: the numbers travel as
+    ``GradSample.step_calls`` / ``step_nbytes``)."""
     return f"bwd all_sum/step: {calls} call{'' if calls == 1 else 's'}, {nbytes:,} B"
 
 
@@ -228,24 +234,24 @@ def _fsdp_step(
         raise RuntimeError(f"grad_sync(mode='fsdp'): {NO_SUM_SCATTER}")
     wrappers = [m for _, m in model.named_modules()
                 if isinstance(m, mxd.FullyShardedModule)]
-    saved = [w._gather_fn for w in wrappers]
+    saved = [_mlx.gather_fn(w) for w in wrappers]
     try:
         for w in wrappers:
-            w._gather_fn = _local_gather(group)
+            _mlx.set_gather_fn(w, _local_gather(group))
         before = _grads(model, loss_fn, args)
         mx.eval(before)
     finally:
         for w, fn in zip(wrappers, saved, strict=True):
-            w._gather_fn = fn
+            _mlx.set_gather_fn(w, fn)
     after = _grads(model, loss_fn, args)
     n = group.size()
     sync = {}
     for path, g in after.items():
-        if specs[path].mode == FSDP:
+        if specs[path].mode == ShardMode.FSDP:
             sync[path] = (f"sum_scatter / {n} (fsdp bwd)", g.nbytes * n)
         else:
             sync[path] = ("none", 0)
-    return before, after, sync
+    return before, after, sync, None
 
 
 def _local_gather(group: mx.distributed.Group) -> Callable:

@@ -11,8 +11,11 @@ waiting in, and how its dashboard and progress bars update live.
 It also ends the engine (and, on rank 0, the controller) when the notebook's
 process has gone away, so a crashed or killed kernel leaves nothing running. (A
 rank whose cell holds the GIL never runs this thread: the session's
-:mod:`mlx_nbdist.watchdog` process covers that.) A rank that publishes into a
-private folder (it does not see the session directory) removes it when it exits.
+:mod:`mlx_nbdist.watchdog` process covers that. A rank on a host that cannot see the
+notebook's process does not watch it: it relies on ipyparallel's heartbeat with the
+controller instead, an idle engine stopping after missing its heartbeats.) A rank
+that publishes into a private folder (it does not see the session directory)
+removes it when it exits.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import psutil
 
-from .tracker import Tracker
+from .. import config
+from . import dtypes
+
+if TYPE_CHECKING:
+    from .tracker import Tracker
 
 #: progress bars kept in the published state (the oldest finished ones are dropped)
 MAX_BARS = 8
@@ -47,7 +53,10 @@ MODEL_INTERVAL = 1.0
 
 
 class Monitor:
-    """Publishes this rank's state; see the module docstring."""
+    """Publishes this rank's state; see the module docstring.
+
+    ``watch_client=False`` on a host that cannot see the notebook's process.
+    """
 
     def __init__(
         self,
@@ -58,9 +67,11 @@ class Monitor:
         client_started: float,
         reap_pids: list[int] | None = None,
         device: str = "",
-        interval: float = 0.25,
+        interval: float = config.PUBLISH_INTERVAL,
+        watch_client: bool = True,
     ):
         self.tracker = tracker
+        self.watch_client = watch_client
         self.path = Path(session_dir) / f"rank{tracker.rank}.json"
         self.client_pid = client_pid
         self.client_started = client_started
@@ -93,26 +104,31 @@ class Monitor:
         self.private_dir = self.path.parent if _is_private(self.path.parent, tracker.rank) else None
 
     def start(self) -> None:
+        """Publish now, then every ``interval`` seconds from the thread."""
         self.publish()
         if self.private_dir is not None:
             atexit.register(self.remove_private_dir)
         self._thread.start()
 
     def remove_private_dir(self) -> None:
+        """Remove the rank's own status folder, if it has one."""
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def stop(self) -> None:
+        """End the thread (at its next wake-up)."""
         self._stop = True
         self._wake.set()
 
     # -- called from the cell hooks on the engine's main thread -------------------
     def cell_started(self, cell: int) -> None:
+        """Publish that ``cell`` runs (busy, since now)."""
         with self._lock:
             self.state.update(state="busy", cell=cell, cell_started=time.time())
         self._wake.set()  # the thread publishes at once; the cell does not wait for it
 
     def cell_finished(self, status: str) -> None:
+        """Publish the end of the cell: idle (``ok``) or error, and how long it took."""
         with self._lock:
             started = self.state.get("cell_started") or time.time()
             self.state.update(
@@ -157,10 +173,6 @@ class Monitor:
             except OSError:
                 pass
 
-    def clear_scalars(self) -> None:
-        with self._lock:
-            self.state["scalars"] = {}
-
     def watch_model(self, name: str | None) -> None:
         """Publish the parameters (path, local shape, dtype, layer) of ``name``."""
         self._watch = name or None
@@ -183,6 +195,8 @@ class Monitor:
 
     # -- the thread -----------------------------------------------------------------
     def publish(self) -> None:
+        import mlx.core as mx
+
         self._refresh_model()
         with self._lock:
             state = copy.deepcopy(self.state)
@@ -209,7 +223,7 @@ class Monitor:
         while not self._stop:
             self._wake.wait(self.interval)
             self._wake.clear()
-            if not self._client_alive():
+            if self.watch_client and not self._client_alive():
                 self._reap_and_exit()
             try:
                 self.publish()
@@ -286,7 +300,7 @@ def model_summary(name: str) -> dict[str, Any]:
                 {
                     "path": path,
                     "shape": list(arr.shape),
-                    "dtype": str(arr.dtype).replace("mlx.core.", ""),
+                    "dtype": dtypes.dtype_name(arr.dtype),
                     "layer": type(layers.get(owner, model)).__name__,
                 }
             )
@@ -298,11 +312,3 @@ def model_summary(name: str) -> dict[str, Any]:
         "elements": total,
         "nbytes": nbytes,
     }
-
-
-def watch_model(name: str | None) -> str | None:
-    """On a rank: publish the parameters of the model ``name`` (``None`` stops it)."""
-    from .bootstrap import current
-
-    current().monitor.watch_model(name)
-    return name

@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import _ipykernel
+
 #: characters of one cell's output (per rank, stdout and stderr together) that reach
 #: the notebook; past this, the rest goes to the cell's overflow file
 DEFAULT_LIMIT = 1 << 20
@@ -426,12 +428,11 @@ class _FdCapture:
         self.fd = fd
         self.stream = stream
         out = stream.out
-        self.ipykernel = out if _ipykernel_watches(out) else None
+        self.watched = _ipykernel.watched_pipe(out)  # ipykernel's pipe, when it watches fd
+        self.ipykernel = out if self.watched is not None else None
         self.prev = os.dup(fd)  # what fd was: the log, or ipykernel's pipe
-        if self.ipykernel is not None:
-            self.echo = int(out._original_stdstream_copy)
-        else:
-            self.echo = self.prev
+        # the log: a watching OutStream's fileno() is the fd it echoes to
+        self.echo = int(out.fileno()) if self.ipykernel is not None else self.prev
         r, w = os.pipe()
         _grow_pipe(w)
         os.set_blocking(r, False)
@@ -444,9 +445,9 @@ class _FdCapture:
             # nothing new enters its pipe now; let its thread forward what is there,
             # then stop it forwarding (it stays blocked on its idle pipe, and its
             # ``close`` does not wait for it)
-            _wait_empty(int(self.ipykernel._fid), 0.5)
+            _wait_empty(self.watched, 0.5)
             time.sleep(0.02)  # its thread may hold a chunk it has read
-            self.ipykernel._should_watch = False
+            _ipykernel.set_forwarding(self.ipykernel, False)
         stream._log_fd = self.echo
         stream._pipe_fd = fd
 
@@ -481,7 +482,7 @@ class _FdCapture:
         with contextlib.suppress(OSError):
             os.dup2(self.prev, self.fd)
         if self.ipykernel is not None:
-            self.ipykernel._should_watch = True
+            _ipykernel.set_forwarding(self.ipykernel, True)
         self.stream._log_fd = None
         self.stream._pipe_fd = None
         for fd in (self.r, self.prev):
@@ -744,15 +745,6 @@ def _in_kernel() -> bool:
         return False
     ip = get_ipython()
     return ip is not None and hasattr(sys.stdout, "set_parent")
-
-
-def _ipykernel_watches(out: Any) -> bool:
-    """ipykernel's ``OutStream`` already made this fd a pipe and reads it."""
-    return (
-        bool(getattr(out, "_should_watch", False))
-        and getattr(out, "_fid", None) is not None
-        and getattr(out, "_original_stdstream_copy", None) is not None
-    )
 
 
 def _reroute_log_handlers(echo: dict[int, int]) -> list[tuple[Any, Any]]:

@@ -24,19 +24,13 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
+from . import state
+
 #: seconds between two writes of a bar (rank state or text line); the end is always written
 MIN_INTERVAL = 0.05
 _TEXT_INTERVAL = 0.1
 _PER_CELL: dict[int, int] = {}  # bars made so far in each cell: keys agree across ranks
 _ACTIVE: list[Progress] = []
-
-
-def _monitor() -> Any:
-    """The rank's monitor, or ``None`` outside a started rank."""
-    from . import bootstrap
-
-    st = bootstrap._STATE
-    return None if st is None else st.monitor
 
 
 def _number(value: Any) -> float:
@@ -78,7 +72,7 @@ class Progress:
         self._t0 = time.monotonic()
         self._written = 0.0
         self.closed = False
-        self.monitor = _monitor()
+        self.monitor = state.monitor()
         self.file = file
         cell = int(self.monitor.state.get("cell", 0)) if self.monitor is not None else 0
         index = _PER_CELL.get(cell, 0)
@@ -212,7 +206,7 @@ def log_scalars(step: int | None = None, **scalars: Any) -> None:
     each name. Outside a rank, the values are shown after the active text bar.
     """
     values = {k: _number(v) for k, v in scalars.items()}
-    mon = _monitor()
+    mon = state.monitor()
     if mon is not None:
         mon.add_scalars(values, step)
     if _ACTIVE:

@@ -3,8 +3,8 @@
 Runs inside a rank. :func:`local_slice` returns one parameter's local values as numpy
 plus where they sit in the full tensor; :func:`model_shards` summarises every
 parameter of a model without pulling the values. The layout comes from
-:func:`mlx_nbdist.sharding.param_specs` (exact for layers sharded by
-:func:`mlx_nbdist.sharding.shard`, inferred from the layer class otherwise), so these
+:func:`mlx_nbdist.engine.sharding.param_specs` (exact for layers sharded by
+:func:`mlx_nbdist.engine.sharding.shard`, inferred from the layer class otherwise), so these
 functions issue no collective and each rank may call them alone.
 """
 
@@ -18,8 +18,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..results import TensorSlice, summarize
-from ..sharding import ParamSpec, param_specs
+from ..results import ShardMode, TensorSlice, summarize
+from .dtypes import dtype_name
+from .sharding import ParamSpec, param_specs
 
 __all__ = ["local_slice", "model_shards"]
 
@@ -54,9 +55,9 @@ def local_slice(
     """
     group = group or mx.distributed.init()
     if isinstance(obj, mx.array):
-        spec = ParamSpec(path=name, layer="array", mode="replicated", axis=None, segments=1,
+        spec = ParamSpec(path=name, layer="array", mode=ShardMode.REPLICATED, axis=None, segments=1,
                          group_size=1, full_shape=tuple(obj.shape),
-                         local_shape=tuple(obj.shape), dtype=_dtype_name(obj.dtype),
+                         local_shape=tuple(obj.shape), dtype=dtype_name(obj.dtype),
                          kind="replicated", rank=group.rank())
         return _describe(spec, obj, group.rank(), max_elements, with_data=True)
     params = dict(tree_flatten(obj.parameters()))
@@ -89,10 +90,6 @@ def model_shards(
             for path, spec in specs.items()]
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
 def _describe(
     spec: ParamSpec, arr: mx.array, default_rank: int, max_elements: int | None,
     *, with_data: bool,
@@ -105,7 +102,7 @@ def _describe(
     rank = spec.rank if spec.rank is not None else default_rank
     return TensorSlice(
         name=spec.path, rank=rank, shape=tuple(arr.shape), full_shape=tuple(spec.full_shape),
-        dtype=_dtype_name(arr.dtype), axis=spec.axis, ranges=spec.ranges(), kind=spec.kind,
+        dtype=dtype_name(arr.dtype), axis=spec.axis, ranges=spec.ranges(), kind=spec.kind,
         data=data, sampled=sampled,
         # sent whole: the notebook computes it when asked (TensorSlice.summary)
         summary={} if data is not None and not sampled else summarize(values),

@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..results import CollectiveRecord
+from . import dtypes
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 P2P = ("send", "recv", "recv_like")
@@ -97,11 +98,6 @@ class Tracker:
             self._orig[op] = fn
             setattr(mx.distributed, op, self._wrap(op, fn))
 
-    def uninstall(self) -> None:
-        for op, fn in self._orig.items():
-            setattr(mx.distributed, op, fn)
-        self._orig.clear()
-
     def original(self, op: str) -> Any:
         return self._orig.get(op) or getattr(mx.distributed, op)
 
@@ -125,10 +121,6 @@ class Tracker:
                 "sent": {str(p): len(v) for p, v in self._sent.items()},
                 "recvd": {str(p): len(v) for p, v in self._recvd.items()},
             }
-
-    def cell_records(self, cell: int) -> list[CollectiveRecord]:
-        with self._lock:
-            return [r for r in self.recent if r.cell == cell]
 
     def ledger(self) -> dict[str, Any]:
         """What this rank issued in the current cell, to compare across ranks."""
@@ -233,7 +225,7 @@ class Tracker:
                     problem = tracker._signature_problem(op, shape, dtype, group)
                 if problem:
                     raise CollectiveError(problem)
-            nbytes = int(x.nbytes) if isinstance(x, mx.array) else _nbytes(shape, dtype)
+            nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
             rec = tracker._record(
                 op, shape, dtype, peer, nbytes, world=group.size() == tracker.size
             )
@@ -325,10 +317,10 @@ def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str,
         shape = tuple(args[0] if args else kwargs["shape"])
         dtype = args[1] if len(args) > 1 else kwargs["dtype"]
         src = args[2] if len(args) > 2 else kwargs.get("src")
-        return shape, _dtype_name(dtype), src
+        return shape, dtypes.dtype_name(dtype), src
     x = args[0] if args else kwargs.get("x")
     shape = tuple(x.shape) if hasattr(x, "shape") else ()
-    dtype = _dtype_name(x.dtype) if hasattr(x, "dtype") else ""
+    dtype = dtypes.dtype_name(x.dtype) if hasattr(x, "dtype") else ""
     peer = None
     if op == "send":
         peer = args[1] if len(args) > 1 else kwargs.get("dst")
@@ -337,21 +329,7 @@ def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str,
     return shape, dtype, peer
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("mlx.core.", "")
-
-
 _NAME_LEN = 16
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    try:
-        return n * getattr(mx, dtype).size
-    except AttributeError:
-        return 0
 
 
 def _code(text: str) -> int:

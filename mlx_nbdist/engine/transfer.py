@@ -19,22 +19,19 @@ Three routes, the fastest the notebook offers and the platform allows:
 * elsewhere (another host, macOS's missing ``/dev/shm``) the array travels as an
   out-of-band ipyparallel buffer, still outside the pickle.
 
-Ranks run :func:`pack` and :func:`release`; the notebook holds one :class:`Receiver`
-per session.
+This module is the rank's side: :func:`pack` and :func:`release`, run by
+``rpc.slice_of``. The notebook's side is :class:`mlx_nbdist.client.transfer.Receiver`,
+one per session. Nothing here imports MLX.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import mmap
 import os
 import socket
-import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,16 +47,12 @@ POOL_IDLE = 256 << 20
 #: still reading the rank's memory, it halved the speed of that read (2 cores)
 MAKE_DELAY = 0.1
 _UNIT = 1 << 20  # segment sizes are whole MiB, so slices of similar size share them
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map pages now, not on first touch
+#: how both sides map a segment: shared, its pages mapped now (not on first touch)
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _counter = itertools.count()
 
 
-def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
-# --------------------------------------------------------------------- rank side
 @dataclass
 class _Segment:
     token: int
@@ -184,7 +177,7 @@ def _make(prefix: str, size: int, busy: bool, delay: float = 0.0) -> _Segment | 
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on a write later
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
         finally:
             os.close(fd)
     except OSError:
@@ -220,163 +213,7 @@ def _dropped() -> list[int]:
     return out
 
 
-def discard(prefix: str) -> None:
-    """Remove shared-memory files left by a session (segments never mapped)."""
-    if shm_available():
-        for p in SHM_DIR.glob(f"{prefix}-*"):
-            p.unlink(missing_ok=True)
-
-
 def same_host(host: str) -> bool:
+    """Whether ``host`` (the notebook's hostname) is this rank's host."""
     return host == socket.gethostname()
 
-
-# ----------------------------------------------------------------- notebook side
-class _Lease:
-    """Owns the view of one pool segment that a notebook array uses; when the last
-    array over it is gone the segment is free again (see :meth:`Receiver.held`)."""
-
-    def __init__(self, segment: np.ndarray, info: dict[str, Any]) -> None:
-        self.segment = segment  # keeps the mapping alive
-        self.__array_interface__ = {
-            "shape": tuple(info["shape"]), "typestr": info["dtype"], "version": 3,
-            "data": (segment.ctypes.data, False),
-        }  # fmt: skip
-
-
-class RouteRefused(OSError):
-    """A local route failed on the notebook's side (``route``: ``pool`` or ``vm``)."""
-
-    def __init__(self, route: str, err: OSError) -> None:
-        super().__init__(err.errno, f"{route} transfer refused: {err}")
-        self.route = route
-
-
-class Receiver:
-    """The notebook's end of one session's transfers.
-
-    ``routes`` are the local routes offered to the ranks; one that fails here is
-    withdrawn by the caller. Thread-safe: arrays may be collected on any thread.
-    """
-
-    def __init__(self) -> None:
-        self.routes = [r for r, ok in (("pool", shm_available()), ("vm", vm_available())) if ok]
-        self._lock = threading.Lock()
-        self.request = threading.Lock()  #: held by the caller for one request and reply
-        self._segments: dict[tuple[int, int], np.ndarray] = {}  # (pid, token) -> mapping
-        self._live: dict[int, tuple[int, set[int]]] = {}  # rank -> (pid, tokens in use)
-
-    def close(self) -> None:
-        """Let go of every mapping (the ranks are gone); arrays keep their own."""
-        with self._lock:
-            self._segments.clear()
-            self._live.clear()
-
-    def held(self) -> dict[int, list[int]]:
-        """Per rank, the tokens of segments that arrays here still use."""
-        with self._lock:
-            return {r: sorted(tokens) for r, (_pid, tokens) in self._live.items()}
-
-    def unpack(self, rank: int, info: dict[str, Any] | None, values: Any) -> Any:
-        """The notebook side of :func:`pack`: a numpy array (``None`` for no data).
-
-        Raises:
-            RouteRefused: the segment cannot be mapped or the rank's memory read.
-        """
-        if info is None or "route" not in info:
-            return values
-        self._forget(rank, info["pid"], info.get("drop", ()))
-        try:
-            if info["route"] == "vm":
-                out = np.empty(info["nbytes"], dtype=np.uint8)
-                _vm_read(info["pid"], info["addr"], out)
-                return out.view(np.dtype(info["dtype"])).reshape(info["shape"])
-            return self._from_pool(rank, info)
-        except OSError as e:
-            raise RouteRefused(info["route"], e) from e
-
-    def _from_pool(self, rank: int, info: dict[str, Any]) -> np.ndarray:
-        pid, token = info["pid"], info["token"]
-        with self._lock:
-            segment = self._segments.get((pid, token))
-        if segment is None:
-            segment = _map(Path(info["path"]), info["size"])
-            with self._lock:
-                self._segments[(pid, token)] = segment
-        lease = _Lease(segment, info)
-        with self._lock:
-            self._live.setdefault(rank, (pid, set()))[1].add(token)
-        done = weakref.finalize(lease, self._free, rank, pid, token)
-        done.atexit = False
-        return np.asarray(lease)
-
-    def _forget(self, rank: int, pid: int, dropped: Any) -> None:
-        """Unmap segments the rank dropped, and all of a restarted rank's old ones
-        (each mapping goes with its last array)."""
-        with self._lock:
-            old = self._live.get(rank)
-            if old is not None and old[0] != pid:
-                self._segments = {k: v for k, v in self._segments.items() if k[0] != old[0]}
-                del self._live[rank]
-            for t in dropped:
-                self._segments.pop((pid, t), None)
-
-    def _free(self, rank: int, pid: int, token: int) -> None:
-        with self._lock:
-            live = self._live.get(rank)
-            if live is not None and live[0] == pid:
-                live[1].discard(token)
-
-
-def _map(path: Path, size: int) -> np.ndarray:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)  # both mappings keep the memory; no file is left
-    return np.frombuffer(mm, np.uint8)
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-def _libc_vm_read() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
-    return fn
-
-
-_VM_READ = _libc_vm_read()
-
-
-def vm_available() -> bool:
-    """This platform can copy from another process's memory (Linux ``process_vm_readv``)."""
-    return _VM_READ is not None
-
-
-def _vm_read(pid: int, addr: int, out: np.ndarray) -> None:
-    """Copy ``out.nbytes`` bytes at ``addr`` in process ``pid`` into ``out``.
-
-    ctypes releases the GIL for the call, so ranks can be read in parallel threads.
-    """
-    if _VM_READ is None:
-        raise OSError("process_vm_readv is not available on this platform")
-    done, total = 0, out.nbytes
-    base = out.ctypes.data
-    while done < total:
-        local = _IOVec(base + done, total - done)
-        remote = _IOVec(addr + done, total - done)
-        n = _VM_READ(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if n <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"reading rank memory (pid {pid}): {os.strerror(err)}")
-        done += n

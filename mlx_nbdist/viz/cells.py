@@ -67,15 +67,3 @@ def _display_bundle(data: dict[str, Any], metadata: dict[str, Any]) -> None:
     if not data:
         return
     display(data, metadata=metadata, raw=True)
-
-
-def format_cell(result: CellResult) -> str:
-    """The same content as plain text (for logs and tests)."""
-    lines = []
-    for rank in sorted(result.ranks):
-        out = result.ranks[rank]
-        lines.append(f"[rank {rank}]" + ("" if out.status == OK else f" ({out.status})"))
-        lines += [s for s in (out.stdout.rstrip("\n"), out.stderr.rstrip("\n")) if s]
-        if out.result_text is not None:
-            lines.append(f"Out[rank {rank}]: {out.result_text}")
-    return "\n".join(lines)

@@ -55,9 +55,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import config
+from .._ipykernel import control_subshell, route_to_subshell
 from ..results import RankState
+from .common import human_bytes, rank_hex
 from .progress import ProgressPanel, collect, running_cell
-from .sharding import human_bytes
+from .status import STATE_COLORS, dashboard_text, header_html, header_values, rank_values
 
 COLUMNS: list[tuple[str, str, str]] = [
     # key, title, width
@@ -70,16 +73,6 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("process", "RSS · CPU", "130px"),
     ("collectives", "collectives · bytes", "160px"),
 ]
-STATE_COLORS = {
-    "idle": "#2ca02c",
-    "busy": "#1f77b4",
-    "starting": "#7f7f7f",
-    "stopped": "#7f7f7f",
-    "error": "#d62728",
-    "dead": "#000000",
-    "broken": "#8c564b",
-    "hung": "#ff7f0e",
-}
 _HINT_LIVE = "buttons act while a cell runs"
 _HINT_QUEUED = (
     "this kernel handles buttons only between cells; "
@@ -88,52 +81,6 @@ _HINT_QUEUED = (
 
 
 # --------------------------------------------------------------------------- values
-
-
-def rank_values(
-    st: RankState, *, now: float | None = None, stale_after: float = 3.0, session_state: str = ""
-) -> dict[str, str]:
-    """What a rank's row shows, as text per column (see :data:`COLUMNS`)."""
-    now = time.time() if now is None else now
-    state = st.state
-    if session_state in ("stopped", "starting"):
-        state = session_state
-    elif state in ("idle", "busy", "error") and st.updated and now - st.updated > stale_after:
-        state = "hung"
-    cell = "-"
-    if st.state == "busy" and st.cell_started and state not in ("stopped", "starting"):
-        cell = f"cell {st.cell} · {_secs(now - st.cell_started)}"
-    last = "-"
-    if st.last_status:
-        dur = f"{_secs(st.last_duration)} · " if st.last_duration is not None else ""
-        last = f"{dur}{st.last_status}"
-    cpu = f"{st.cpu_percent:.0f}%"
-    return {
-        "rank": str(st.rank),
-        "state": state,
-        "cell": cell,
-        "last": last,
-        "device": st.device or "-",
-        "memory": f"{human_bytes(st.active_memory)} / {human_bytes(st.peak_memory)}",
-        "process": f"{human_bytes(st.rss)} · {cpu}",
-        "collectives": f"{st.collectives} · {human_bytes(st.bytes_moved)}",
-    }
-
-
-def header_values(session: Any) -> dict[str, str]:
-    """The session header: id, backend, launcher, N, uptime, state."""
-    if session is None:
-        return {"session": "-", "state": "no session", "backend": "-", "launcher": "-",
-                "n": "0", "uptime": "-", "broken": ""}  # fmt: skip
-    return {
-        "session": session.session_id or "-",
-        "state": session.state,
-        "backend": session.backend,
-        "launcher": session.launcher,
-        "n": str(session.n),
-        "uptime": _uptime(session.uptime) if session.uptime else "-",
-        "broken": session.broken_reason if session.state == "broken" else "",
-    }
 
 
 def model_values(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -196,85 +143,6 @@ def _shape(s: tuple[int, ...] | None) -> str:
     return "-" if s is None else "(" + ", ".join(map(str, s)) + ")"
 
 
-def _secs(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return f"{t:.2f} s" if t < 10 else f"{t:.0f} s" if t < 120 else _uptime(t)
-
-
-def _uptime(t: float) -> str:
-    t = int(max(0, t))
-    h, rem = divmod(t, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{s}s"
-
-
-# --------------------------------------------------------------------------- subshell
-
-_SUBSHELL: dict[int, str | None] = {}
-
-
-def control_subshell(timeout: float = 5.0) -> str | None:
-    """A subshell of this kernel for the dashboard's buttons (created once), or None.
-
-    Sends ``create_subshell_request`` on the kernel's own control channel, as a
-    front end would. ``None`` outside a kernel or where the kernel has no subshells.
-    """
-    try:
-        from IPython import get_ipython
-
-        kernel = getattr(get_ipython(), "kernel", None)
-    except ImportError:  # pragma: no cover
-        return None
-    if kernel is None or not getattr(kernel, "_supports_kernel_subshells", False):
-        return None
-    if id(kernel) in _SUBSHELL:
-        return _SUBSHELL[id(kernel)]
-    sid = None
-    try:
-        from ipykernel.connect import get_connection_file
-        from jupyter_client import BlockingKernelClient
-
-        kc = BlockingKernelClient(connection_file=get_connection_file())
-        kc.load_connection_file()
-        kc.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
-        try:
-            msg = kc.session.msg("create_subshell_request", {})
-            kc.control_channel.send(msg)
-            t_end = time.monotonic() + timeout
-            while time.monotonic() < t_end:
-                reply = kc.control_channel.get_msg(timeout=max(0.1, t_end - time.monotonic()))
-                if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                    if reply["content"].get("status") == "ok":
-                        sid = reply["content"]["subshell_id"]
-                    break
-        finally:
-            kc.stop_channels()
-    except Exception:  # noqa: BLE001 - no subshell: the buttons work between cells
-        sid = None
-    _SUBSHELL[id(kernel)] = sid
-    return sid
-
-
-def route_to_subshell(widgets: list[Any], subshell_id: str | None) -> bool:
-    """Have the kernel deliver these widgets' front-end messages to the subshell.
-
-    ipykernel >= 7.4 routes a comm's incoming messages to ``comm._reply_subshell_id``
-    (set when the comm last published from a subshell); setting it here sends the
-    buttons' clicks to the dashboard's subshell thread, which runs while a cell runs.
-    """
-    if subshell_id is None:
-        return False
-    ok = True
-    for wdg in widgets:
-        comm = getattr(wdg, "comm", None)
-        if comm is None or not hasattr(comm, "_reply_subshell_for"):
-            ok = False
-            continue
-        comm._reply_subshell_id = subshell_id
-    return ok
-
-
 # --------------------------------------------------------------------------- dashboard
 
 
@@ -299,7 +167,7 @@ class Dashboard:
         *,
         model: str | None = None,
         interval: float = 0.5,
-        stale_after: float = 3.0,
+        stale_after: float = config.STALE_AFTER,
         start: bool = True,
         subshell: bool | None = None,
     ):
@@ -373,7 +241,7 @@ class Dashboard:
 
     def watch(self, model: str | None) -> None:
         """Show the parameters of ``model`` (a name on the ranks); ``None`` stops it."""
-        from ..engine.monitor import watch_model
+        from ..engine.rpc import watch_model
 
         self.model = model
         s = self.session
@@ -406,7 +274,7 @@ class Dashboard:
         with self._lock:
             s = self.session
             hv = header_values(s)
-            self.header.value = _header_html(hv)
+            self.header.value = header_html(hv)
             ranks: dict[int, dict[str, str]] = {}
             records: dict[int, dict[str, Any]] = {}
             if s is not None:
@@ -455,8 +323,6 @@ class Dashboard:
                     f'border-radius:8px">{html.escape(text)}</span>'
                 )
             elif key == "rank":
-                from .progress import rank_hex
-
                 value = f'<b style="color:{rank_hex(rank)}">rank {rank}</b>'
             else:
                 value = html.escape(text)
@@ -473,18 +339,7 @@ class Dashboard:
     def text(self) -> str:
         """A plain-text rendering (front ends without widgets, logs)."""
         v = self.values()
-        h = v.get("header", {})
-        lines = [
-            f"session {h.get('session')}: {h.get('state')}, {h.get('n')} ranks, "
-            f"backend={h.get('backend')}, launcher={h.get('launcher')}, up {h.get('uptime')}"
-        ]
-        for r, row in sorted(v.get("ranks", {}).items()):
-            lines.append(
-                f"  rank {r}: {row['state']:<8} {row['cell']:<18} last {row['last']:<22} "
-                f"{row['device']}  mem {row['memory']}  {row['process']}  "
-                f"coll {row['collectives']}"
-            )
-        return "\n".join(lines)
+        return dashboard_text(v.get("header", {}), v.get("ranks", {}))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = self.widget._repr_mimebundle_(**kwargs)
@@ -647,23 +502,6 @@ class Dashboard:
             return self._say(f"restarted: session {s.session_id}, {s.n} ranks")
         except Exception as e:  # noqa: BLE001
             return self._say(f"{action} failed: {type(e).__name__}: {e}")
-
-
-def _header_html(h: dict[str, str]) -> str:
-    color = STATE_COLORS.get({"ready": "idle"}.get(h["state"], h["state"]), "#333")
-    broken = (
-        f' · <span style="color:#d62728">broken: {html.escape(h["broken"])} '
-        "(restart to continue)</span>"
-        if h.get("broken")
-        else ""
-    )
-    return (
-        f'<div class="mlxdist-session" data-state="{html.escape(h["state"])}">'
-        f"<b>MLX session</b> {html.escape(h['session'])} · "
-        f'<b style="color:{color}">{html.escape(h["state"])}</b> · '
-        f"backend {html.escape(h['backend'])} · launcher {html.escape(h['launcher'])} · "
-        f"{html.escape(h['n'])} ranks · up {html.escape(h['uptime'])}{broken}</div>"
-    )
 
 
 def dashboard(

@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from mlx_nbdist.results import GradSample
-from mlx_nbdist.viz.sharding import NotebookFigure, _text_table, human_bytes, rank_color
+from mlx_nbdist.viz.common import NotebookFigure, human_bytes, rank_color, text_table
 
 #: Default tolerance of :func:`desynced`, relative to the gradient's RMS element.
 DEFAULT_TOL = 1e-6
@@ -254,11 +254,6 @@ def _draw_bytes(
     _collective_legend(ax, samples)
 
 
-#: What ``mlx_nbdist.engine.gradsync`` writes in the ``collective`` of tensor-parallel
-#: rows: the backward all_sum calls and bytes of the whole step on that rank.
-_STEP_RE = re.compile(r"bwd all_sum/step: (\d+) calls?, ([\d,]+) B")
-
-
 def no_bytes_note(samples: Sequence[GradSample]) -> str:
     """Why no parameter reports bytes, for the bytes panel when every ``nbytes`` is 0.
 
@@ -267,14 +262,12 @@ def no_bytes_note(samples: Sequence[GradSample]) -> str:
 
     Returns:
         One sentence: the per-step backward all_sum of activation gradients (its bytes
-        per rank and calls, read from the ``collective`` texts), or that nothing was
+        per rank and calls: ``step_calls`` and ``step_nbytes``), or that nothing was
         synchronised in the backward.
     """
-    per_rank: dict[int, tuple[int, int]] = {}
-    for s in samples:
-        m = _STEP_RE.search(s.collective)
-        if m:
-            per_rank[s.rank] = (int(m.group(1)), int(m.group(2).replace(",", "")))
+    per_rank = {
+        s.rank: (s.step_calls, s.step_nbytes or 0) for s in samples if s.step_calls is not None
+    }
     if not per_rank:
         ops = sorted({_short_op(s.collective) for s in samples if s.collective})
         how = f" (collective: {', '.join(ops)})" if ops else ""
@@ -447,7 +440,7 @@ def format_gradsync(samples: list[GradSample], *, tol: float = DEFAULT_TOL) -> s
         "bytes",
         "check",
     )
-    lines = _text_table(headers, rows, align="llrrrrlrl")
+    lines = text_table(headers, rows, align="llrrrrlrl")
     if samples and all(s.nbytes == 0 for s in samples):
         lines.append(no_bytes_note(samples))
     bad = [c for c in checks.values() if c.flagged]

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..results import OK, CellResult
 from ..streams import Item, Kind, OutputEvent, RankStream
-from .progress import rank_hex
+from .common import rank_hex
 
 #: at most this many re-renders of one rank's area per second while a cell runs
 MAX_UPDATES_PER_SECOND = 10

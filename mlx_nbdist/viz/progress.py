@@ -26,24 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.progress import bar_fields, format_bar
+from .common import rank_hex
 
 # (rank -> record) per bar key, and (rank -> [[step, value, cell], ...]) per scalar name
 Bars = dict[str, dict[int, dict[str, Any]]]
 Scalars = dict[str, dict[int, list[list[float]]]]
-
-_PALETTE = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-]  # fmt: skip  (matplotlib's tab10, the colours of viz.rank_color for ranks 0-9)
-
-
-def rank_hex(rank: int) -> str:
-    """The rank's colour as ``#rrggbb`` (the same as :func:`mlx_nbdist.viz.rank_color`)."""
-    if 0 <= rank < len(_PALETTE):
-        return _PALETTE[rank]
-    from .sharding import rank_color
-
-    return "#{:02x}{:02x}{:02x}".format(*(int(round(c * 255)) for c in rank_color(rank)))
 
 
 # --------------------------------------------------------------------------- data

@@ -35,6 +35,11 @@ a mapping ``{layer path or glob: mode}``
     mode per ``Linear``/``QuantizedLinear`` layer; modes are the two TP modes, the
     two inplace modes and ``"replicated"`` (or ``None``). Exact paths win over globs.
 
+What each mode does (the axes it splits, the MLX layer or function that applies it,
+the collectives it adds, whether it may stand for the whole model) is one row of
+:data:`RULES`, as MLX's own ``shard_linear`` picks its constructor from a dict: a new
+mode is a new :class:`~mlx_nbdist.results.ShardMode` member and a new row.
+
 Sharded layers remember how they were sharded (mode, segments, full shapes) in an
 attribute, so :mod:`mlx_nbdist.engine.slices` can describe any rank's slice later;
 layers sharded by hand are described from their class (see :func:`param_specs`).
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -55,12 +60,20 @@ import numpy as np
 from mlx.nn.layers import distributed as mxd
 from mlx.utils import tree_flatten
 
-from .errors import ShardingError
-from .results import PlanRow
+from ..errors import ShardingError
+from ..results import PlanRow, ShardMode
+from . import _mlx
+from .dtypes import dtype_name, nbytes
 
 __all__ = [
     "FSDP_NO_GRADIENTS",
+    "MEGATRON",
+    "NO_SUM_SCATTER",
+    "RULES",
+    "STRATEGIES",
+    "ModeRule",
     "ParamSpec",
+    "ShardMode",
     "ShardPlan",
     "has_sum_scatter",
     "param_specs",
@@ -68,24 +81,15 @@ __all__ = [
     "shard",
 ]
 
-A2S = "all-to-sharded"
-S2A = "sharded-to-all"
-FSDP = "fsdp"
-REPLICATED = "replicated"
-INPLACE_A2S = "inplace-all-to-sharded"
-INPLACE_S2A = "inplace-sharded-to-all"
-_TP_MODES = (A2S, S2A)
-_INPLACE = {INPLACE_A2S: A2S, INPLACE_S2A: S2A}
-_LAYER_MODES = (*_TP_MODES, *_INPLACE, REPLICATED)
-STRATEGIES = (A2S, S2A, "megatron", FSDP, INPLACE_A2S, INPLACE_S2A)
+#: the strategy that alternates all-to-sharded and sharded-to-all layers
+MEGATRON = "megatron"
+#: megatron: the mode of the next plain linear layer after a layer of each mode
+_MEGATRON_NEXT = {
+    ShardMode.ALL_TO_SHARDED: ShardMode.SHARDED_TO_ALL,
+    ShardMode.SHARDED_TO_ALL: ShardMode.ALL_TO_SHARDED,
+}
 
 _META_ATTR = "_nbdist_shard"
-_TP_CLASSES: dict[type, str] = {
-    mxd.AllToShardedLinear: A2S,
-    mxd.QuantizedAllToShardedLinear: A2S,
-    mxd.ShardedToAllLinear: S2A,
-    mxd.QuantizedShardedToAllLinear: S2A,
-}
 _QUANTIZED_CLASSES = (
     nn.QuantizedLinear,
     mxd.QuantizedAllToShardedLinear,
@@ -113,12 +117,144 @@ NO_SUM_SCATTER = (
     "or training step, will raise; use a backend with sum_scatter (nccl) to train"
 )
 
+#: ``convert(layer or model, segments, group) -> the sharded layer or model``
+Convert = Callable[[nn.Module, int, Any], nn.Module]
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    """What one :class:`~mlx_nbdist.results.ShardMode` does: one row of :data:`RULES`.
+
+    Attributes:
+        axis: ``axis(name, ndim)``: the axis a parameter of the layer (``weight``,
+            ``bias``, ``scales``...) is split on, or ``None`` when every rank holds it all.
+        via: the MLX function that applies the mode (shown in plans and warnings).
+        convert: how :func:`shard` applies it to one layer (to the whole model when
+            ``whole_model``); ``None``: the layer is left as it is.
+        layers: the MLX classes a ``Linear`` and a ``QuantizedLinear`` become; a layer
+            of one of them found in a model (built by hand) is read as this mode.
+        output: what the layer's output is: ``"sharded"`` (split across the ranks),
+            ``"whole"`` (it takes a split input and sums it), ``""`` (as its input).
+        collectives: the collectives the layer adds per step, from the layer.
+        warning: why the sharded model's outputs differ from the full model's (the
+            plan and :func:`shard` warn); empty for a mode that computes the same.
+        strategy: may be the sharding of a whole model (``shard(model, mode)``).
+        whole_model: the mode wraps the whole model and cannot be given per layer.
+    """
+
+    axis: Callable[[str, int], int | None]
+    via: str = ""
+    convert: Convert | None = None
+    layers: tuple[type, ...] = ()
+    output: str = ""
+    collectives: Callable[[nn.Module], str] | None = None
+    warning: str = ""
+    strategy: bool = True
+    whole_model: bool = False
+
+
+def _split_outputs(name: str, ndim: int) -> int | None:
+    """all-to-sharded: a weight's output rows, a bias's last axis (MLX's
+    ``_all_to_sharded``)."""
+    return ndim - 1 if name.endswith("bias") else max(ndim - 2, 0)
+
+
+def _split_inputs(name: str, ndim: int) -> int | None:
+    """sharded-to-all: a weight's input columns; the bias stays whole."""
+    return None if name.endswith("bias") else ndim - 1
+
+
+def _split_first(name: str, ndim: int) -> int | None:
+    return 0 if ndim else None
+
+
+def _whole(name: str, ndim: int) -> int | None:
+    return None
+
+
+def _shard_linear(sharding: str) -> Convert:
+    def convert(layer: nn.Module, segments: int, group: Any) -> nn.Module:
+        return mxd.shard_linear(layer, sharding, segments=segments, group=group)
+
+    return convert
+
+
+def _shard_inplace(sharding: str) -> Convert:
+    def convert(layer: nn.Module, segments: int, group: Any) -> nn.Module:
+        mxd.shard_inplace(layer, sharding, segments=segments, group=group)
+        return layer
+
+    return convert
+
+
+def _no_collective(layer: nn.Module) -> str:
+    return "none (no collective inserted!)"
+
+
+#: every mode's behaviour; :func:`plan`, :func:`shard` and :func:`param_specs` read it
+RULES: dict[ShardMode, ModeRule] = {
+    ShardMode.ALL_TO_SHARDED: ModeRule(
+        axis=_split_outputs,
+        via="shard_linear",
+        convert=_shard_linear("all-to-sharded"),
+        layers=(mxd.AllToShardedLinear, mxd.QuantizedAllToShardedLinear),
+        output="sharded",
+        collectives=lambda m: f"bwd all_sum of input grad (..., {_linear_dims(m)[0]})",
+    ),
+    ShardMode.SHARDED_TO_ALL: ModeRule(
+        axis=_split_inputs,
+        via="shard_linear",
+        convert=_shard_linear("sharded-to-all"),
+        layers=(mxd.ShardedToAllLinear, mxd.QuantizedShardedToAllLinear),
+        output="whole",
+        collectives=lambda m: f"fwd all_sum (..., {_linear_dims(m)[1]})",
+    ),
+    ShardMode.FSDP: ModeRule(
+        axis=_split_first,
+        via="fully_shard",
+        convert=lambda model, segments, group: _fully_shard(model, group),
+        collectives=lambda m: "fwd all_gather + bwd sum_scatter",
+        whole_model=True,
+    ),
+    ShardMode.INPLACE_ALL_TO_SHARDED: ModeRule(
+        axis=_split_outputs,
+        via="shard_inplace",
+        convert=_shard_inplace("all-to-sharded"),
+        output="sharded",
+        collectives=_no_collective,
+        warning=_INPLACE_WARNING,
+    ),
+    ShardMode.INPLACE_SHARDED_TO_ALL: ModeRule(
+        axis=_split_inputs,
+        via="shard_inplace",
+        convert=_shard_inplace("sharded-to-all"),
+        output="whole",
+        collectives=_no_collective,
+        warning=_INPLACE_WARNING,
+    ),
+    ShardMode.REPLICATED: ModeRule(axis=_whole, strategy=False),
+}
+#: the names :func:`plan` and :func:`shard` take as the sharding of a whole model
+STRATEGIES = (MEGATRON, *(m.value for m, r in RULES.items() if r.strategy))
+#: the modes a ``{layer path or glob: mode}`` mapping may give
+_LAYER_MODES = tuple(m for m, r in RULES.items() if not r.whole_model)
+#: the mode of a layer built by hand from its class
+_BY_CLASS = {cls: mode for mode, r in RULES.items() for cls in r.layers}
+
+
+def _mode(value: Any) -> ShardMode | None:
+    """``value`` as a :class:`ShardMode`, or ``None`` when it is none of them."""
+    try:
+        return ShardMode(value)
+    except ValueError:
+        return None
+
 
 @dataclass(frozen=True)
 class _LayerShard:
     """What :func:`shard` did to one layer (kept as an attribute on the layer)."""
 
-    mode: str
+    mode: ShardMode
     segments: int
     #: full (unsharded) shape of each parameter, keyed by the path inside the layer.
     full_shapes: dict[str, tuple[int, ...]]
@@ -147,7 +283,7 @@ class ParamSpec:
 
     path: str
     layer: str
-    mode: str
+    mode: ShardMode
     axis: int | None
     segments: int
     group_size: int
@@ -197,7 +333,7 @@ class ShardPlan:
     rows: list[PlanRow] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    layer_modes: dict[str, str] = field(default_factory=dict)
+    layer_modes: dict[str, ShardMode] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -230,31 +366,20 @@ class ShardPlan:
         return repr(self.sharding) if isinstance(self.sharding, dict) else f"'{self.sharding}'"
 
     def __str__(self) -> str:
-        headers = ("path", "layer", "mode", "full", "per rank", "axis", "dtype", "bytes/rank",
-                   "collectives/step", "problem")
-        table = [
-            (
-                r.path, r.layer, r.mode, _shape_text(r.full_shape), _shape_text(r.local_shape),
-                "-" if r.axis is None else str(r.axis), r.dtype, f"{r.bytes_per_rank:,}",
-                r.collectives_per_step, r.problem,
-            )
-            for r in self.rows
-        ]
-        widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h)
-                  for i, h in enumerate(headers)]
+        """A summary line, then the table the notebook shows too
+        (:func:`mlx_nbdist.viz.format_plan`)."""
+        from ..viz.plan import format_plan
+
         lines = [
             f"ShardPlan {self._strategy_text()} over {self.group_size} ranks"
             + (f", segments={self.segments}" if self.segments != 1 else "")
             + f": {len(self.rows)} parameters, {self.bytes_per_rank:,} bytes per rank",
-            "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
+            format_plan(self.rows, self.group_size, problems=self.problems,
+                        warnings=self.warnings),
         ]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip()
-                  for t in table]
         if any(r.layer.startswith("Quantized") for r in self.rows):
             lines.append("quantized weights are packed (uint32 holds 32/bits values); "
                          "scales/biases have input_dims/group_size columns")
-        lines += [f"PROBLEM: {p}" for p in self.problems]
-        lines += [f"WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -299,21 +424,6 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.QuantizedLinear))
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return str(tuple(int(d) for d in shape))
-
-
-def _nbytes(shape: tuple[int, ...], dtype: mx.Dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.size
-
-
 def _direct_params(node: _Node, nodes_by_path: dict[str, _Node]) -> list[tuple[str, mx.array]]:
     """Parameters owned by this module (not by a child module), with full paths."""
     out = []
@@ -331,15 +441,6 @@ def _owner_path(param_path: str, nodes_by_path: dict[str, _Node]) -> str:
         if candidate in nodes_by_path:
             return candidate
     return ""
-
-
-def _tp_axis(mode: str, name: str, ndim: int) -> int | None:
-    """The axis MLX's predicates shard ``name`` on (see ``mxd._all_to_sharded``)."""
-    if mode == A2S:
-        return ndim - 1 if name.endswith("bias") else max(ndim - 2, 0)
-    if name.endswith("bias"):
-        return None
-    return ndim - 1
 
 
 def _kind(module: nn.Module, name: str, axis: int | None) -> str:
@@ -411,7 +512,7 @@ def _spec_for(
     name = path[len(node.path) + 1:] if node.path else path
     local = tuple(arr.shape)
     common = {"path": path, "layer": type(module).__name__, "local_shape": local,
-              "dtype": _dtype_name(arr.dtype)}
+              "dtype": dtype_name(arr.dtype)}
 
     wrapper = _fsdp_ancestor(node.path, by_path)
     if wrapper is not None:
@@ -423,11 +524,11 @@ def _spec_for(
         else:
             n = _default_group_size(group_size)
             full = (local[0] * n, *local[1:])
-        return ParamSpec(mode=FSDP, axis=0, segments=1, group_size=n, full_shape=full,
-                         kind=_kind(module, name, 0), rank=rank, **common)
+        return ParamSpec(mode=ShardMode.FSDP, axis=0, segments=1, group_size=n,
+                         full_shape=full, kind=_kind(module, name, 0), rank=rank, **common)
 
     meta = getattr(module, _META_ATTR, None)
-    tp_mode = _TP_CLASSES.get(type(module))
+    tp_mode = _BY_CLASS.get(type(module))
     if meta is not None:
         mode, segments, n = meta.mode, meta.segments, meta.group_size
         full = meta.full_shapes.get(name, local)
@@ -435,11 +536,11 @@ def _spec_for(
         mode, segments, n = tp_mode, 1, module.group.size()
         full = None
     else:
-        return ParamSpec(mode=REPLICATED, axis=None, segments=1, group_size=1,
+        return ParamSpec(mode=ShardMode.REPLICATED, axis=None, segments=1, group_size=1,
                          full_shape=local, kind=_kind(module, name, None), rank=rank,
                          **common)
 
-    axis = _tp_axis(_INPLACE.get(mode, mode), name, len(local))
+    axis = RULES[mode].axis(name, len(local))
     if full is None:
         full = local if axis is None else tuple(
             d * n if i == axis else d for i, d in enumerate(local))
@@ -494,39 +595,37 @@ def plan(
     key = dict(sharding) if isinstance(sharding, Mapping) else sharding
     result = ShardPlan(sharding=key, group_size=group_size, segments=segments)
 
-    if isinstance(model, mxd.FullyShardedModule) or sharding == FSDP:
+    mode = None if isinstance(sharding, Mapping) else _mode(sharding)
+    if isinstance(model, mxd.FullyShardedModule) or (mode is not None and RULES[mode].whole_model):
         _plan_fsdp(model, nodes, by_path, result)
         return result
     if isinstance(sharding, Mapping):
         modes = _resolve_mapping(sharding, nodes)
-    elif sharding in STRATEGIES:
-        modes = _resolve_strategy(sharding, nodes)
+    elif sharding == MEGATRON or (mode is not None and RULES[mode].strategy):
+        modes = _resolve_strategy(mode or MEGATRON, nodes)
     else:
         raise ShardingError(
             f"unknown sharding {sharding!r}; use one of {', '.join(STRATEGIES)} "
             "or a mapping {layer path or glob: mode}")
-    result.layer_modes = {p: m for p, m in modes.items() if m != REPLICATED}
+    result.layer_modes = {p: m for p, m in modes.items() if RULES[m].convert is not None}
     _plan_layers(nodes, by_path, modes, result)
     _flag_flow(nodes, by_path, modes, result)
     return result
 
 
-def _resolve_strategy(sharding: str, nodes: list[_Node]) -> dict[str, str]:
+def _resolve_strategy(sharding: str, nodes: list[_Node]) -> dict[str, ShardMode]:
     """Mode for every plain linear layer (hand-sharded layers keep theirs)."""
-    modes: dict[str, str] = {}
-    if sharding != "megatron":
-        for n in nodes:
-            if _convertible(n.module):
-                modes[n.path] = sharding
-        return modes
-    expect = A2S
+    if sharding != MEGATRON:
+        return {n.path: ShardMode(sharding) for n in nodes if _convertible(n.module)}
+    modes: dict[str, ShardMode] = {}
+    expect = ShardMode.ALL_TO_SHARDED
     for n in nodes:
         current = _current_mode(n.module)
-        if current in _TP_MODES:
-            expect = S2A if current == A2S else A2S
+        if current in _MEGATRON_NEXT:
+            expect = _MEGATRON_NEXT[current]
         elif _convertible(n.module):
             modes[n.path] = expect
-            expect = S2A if expect == A2S else A2S
+            expect = _MEGATRON_NEXT[expect]
     return modes
 
 
@@ -534,23 +633,24 @@ def _convertible(module: nn.Module) -> bool:
     return _is_linear(module) and getattr(module, _META_ATTR, None) is None
 
 
-def _current_mode(module: nn.Module) -> str | None:
+def _current_mode(module: nn.Module) -> ShardMode | None:
     meta = getattr(module, _META_ATTR, None)
     if meta is not None:
         return meta.mode
-    return _TP_CLASSES.get(type(module))
+    return _BY_CLASS.get(type(module))
 
 
-def _resolve_mapping(mapping: Mapping[str, str | None], nodes: list[_Node]) -> dict[str, str]:
+def _resolve_mapping(mapping: Mapping[str, str | None], nodes: list[_Node]
+                     ) -> dict[str, ShardMode]:
     by_path = {n.path: n for n in nodes}
     linear_paths = [n.path for n in nodes if _is_linear(n.module)]
     errors: list[str] = []
-    modes: dict[str, str] = {}
-    from_glob: dict[str, tuple[str, str]] = {}
+    modes: dict[str, ShardMode] = {}
+    from_glob: dict[str, tuple[str, ShardMode]] = {}
     valid = ", ".join(linear_paths) or "(none)"
 
     for pattern, raw_mode in mapping.items():
-        mode = REPLICATED if raw_mode is None else raw_mode
+        mode = ShardMode.REPLICATED if raw_mode is None else _mode(raw_mode)
         if mode not in _LAYER_MODES:
             errors.append(f"{pattern!r}: unknown mode {raw_mode!r}; use one of "
                           f"{', '.join(_LAYER_MODES)}")
@@ -604,35 +704,29 @@ def _linear_dims(module: nn.Module) -> tuple[int, int]:
     return in_dims, out_dims
 
 
-def _layer_label(module: nn.Module, mode: str) -> str:
+def _layer_label(module: nn.Module, mode: ShardMode) -> str:
+    """``Linear -> AllToShardedLinear``, ``Linear (shard_inplace)``, ``RMSNorm``."""
     name = type(module).__name__
-    if isinstance(module, nn.QuantizedLinear):
+    quantized = isinstance(module, nn.QuantizedLinear)
+    if quantized:
         name += f"[{module.bits}bit,g{module.group_size},{getattr(module, 'mode', 'affine')}]"
-    if mode in _TP_MODES:
-        quant = "Quantized" if isinstance(module, nn.QuantizedLinear) else ""
-        target = "AllToShardedLinear" if mode == A2S else "ShardedToAllLinear"
-        return f"{name} -> {quant}{target}"
-    if mode in _INPLACE:
-        return f"{name} (shard_inplace)"
-    return name
+    rule = RULES[mode]
+    if rule.layers:
+        return f"{name} -> {rule.layers[quantized].__name__}"
+    return f"{name} ({rule.via})" if rule.convert is not None else name
 
 
-def _layer_collective(module: nn.Module, mode: str) -> str:
-    if mode not in _TP_MODES and mode not in _INPLACE:
-        return ""
-    in_dims, out_dims = _linear_dims(module)
-    if mode == A2S:
-        return f"bwd all_sum of input grad (..., {in_dims})"
-    if mode == S2A:
-        return f"fwd all_sum (..., {out_dims})"
-    return "none (no collective inserted!)"
+def _layer_collective(module: nn.Module, mode: ShardMode) -> str:
+    collectives = RULES[mode].collectives
+    return collectives(module) if collectives is not None else ""
 
 
 def _plan_layers(
-    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, str], result: ShardPlan
+    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, ShardMode],
+    result: ShardPlan,
 ) -> None:
     n_ranks, k = result.group_size, result.segments
-    inplace_rows = []
+    inexact: dict[ShardMode, list[str]] = {}  # parameters whose outputs will differ
     for node in nodes:
         params = _direct_params(node, by_path)
         if not params:
@@ -646,15 +740,22 @@ def _plan_layers(
                 row = _new_row(path, arr, node, new_mode, n_ranks, k, result)
                 if first:
                     row.collectives_per_step = _layer_collective(node.module, new_mode)
-                if new_mode in _INPLACE:
-                    inplace_rows.append(path)
+                if RULES[new_mode].warning:
+                    inexact.setdefault(new_mode, []).append(path)
             first = False
             result.rows.append(row)
-    if inplace_rows:
+    for (via, warning), paths in _by_warning(inexact).items():
         result.warnings.append(
-            f"{len(inplace_rows)} parameter(s) sliced with shard_inplace "
-            f"({', '.join(sorted({p.rsplit('.', 1)[0] for p in inplace_rows}))}): "
-            + _INPLACE_WARNING)
+            f"{len(paths)} parameter(s) sliced with {via} "
+            f"({', '.join(sorted({p.rsplit('.', 1)[0] for p in paths}))}): {warning}")
+
+
+def _by_warning(paths: dict[ShardMode, list[str]]) -> dict[tuple[str, str], list[str]]:
+    """Paths of modes that warn, grouped by ``(via, warning)``: one warning each."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for mode, ps in paths.items():
+        out.setdefault((RULES[mode].via, RULES[mode].warning), []).extend(ps)
+    return out
 
 
 def _existing_row(
@@ -663,20 +764,21 @@ def _existing_row(
     spec = _spec_for(path, arr, node, by_path, n_ranks, None)
     mode = spec.mode
     collective = ""
-    if mode in _TP_MODES and path.endswith(".weight"):
+    if RULES[mode].layers and path.endswith(".weight"):  # a layer MLX made communicate
         collective = _layer_collective(node.module, mode)
     return PlanRow(path=path, layer=type(node.module).__name__, mode=mode,
                    full_shape=spec.full_shape, local_shape=spec.local_shape, axis=spec.axis,
-                   dtype=spec.dtype, bytes_per_rank=_nbytes(spec.local_shape, arr.dtype),
+                   dtype=spec.dtype, bytes_per_rank=nbytes(spec.local_shape, arr.dtype),
                    collectives_per_step=collective)
 
 
 def _new_row(
-    path: str, arr: mx.array, node: _Node, mode: str, n_ranks: int, k: int, result: ShardPlan
+    path: str, arr: mx.array, node: _Node, mode: ShardMode, n_ranks: int, k: int,
+    result: ShardPlan,
 ) -> PlanRow:
     name = path[len(node.path) + 1:] if node.path else path
     full = tuple(arr.shape)
-    axis = _tp_axis(_INPLACE.get(mode, mode), name, len(full))
+    axis = RULES[mode].axis(name, len(full))
     local = full
     problem = ""
     if axis is not None:
@@ -684,11 +786,11 @@ def _new_row(
         if full[axis] % (n_ranks * k):
             problem = _divisibility_problem(path, full, axis, n_ranks, k, node.module, name)
             result.problems.append(problem)
-    if mode in _INPLACE and not problem:
+    if RULES[mode].warning and not problem:
         problem = "WARNING: outputs will not equal the full model (no collective)"
     return PlanRow(path=path, layer=_layer_label(node.module, mode), mode=mode,
                    full_shape=full, local_shape=local, axis=axis,
-                   dtype=_dtype_name(arr.dtype), bytes_per_rank=_nbytes(local, arr.dtype),
+                   dtype=dtype_name(arr.dtype), bytes_per_rank=nbytes(local, arr.dtype),
                    problem=problem)
 
 
@@ -709,8 +811,9 @@ def _plan_fsdp(
     model: nn.Module, nodes: list[_Node], by_path: dict[str, _Node], result: ShardPlan
 ) -> None:
     n_ranks = result.group_size
+    rule = RULES[ShardMode.FSDP]
     if isinstance(model, mxd.FullyShardedModule):
-        if result.sharding != FSDP:
+        if result.sharding != ShardMode.FSDP:
             result.problems.append(
                 f"the model is already a FullyShardedModule; it cannot also be sharded "
                 f"with {result._strategy_text()}")
@@ -738,40 +841,41 @@ def _plan_fsdp(
             local = (full[0] // n_ranks, *full[1:]) if full else full
             result.rows.append(PlanRow(
                 path=path, layer=f"{type(node.module).__name__} (FullyShardedModule)",
-                mode=FSDP, full_shape=full, local_shape=local, axis=0 if full else None,
-                dtype=_dtype_name(arr.dtype), bytes_per_rank=_nbytes(local, arr.dtype),
-                collectives_per_step="fwd all_gather + bwd sum_scatter", problem=problem))
+                mode=ShardMode.FSDP, full_shape=full, local_shape=local,
+                axis=rule.axis(path, len(full)), dtype=dtype_name(arr.dtype),
+                bytes_per_rank=nbytes(local, arr.dtype),
+                collectives_per_step=_layer_collective(node.module, ShardMode.FSDP),
+                problem=problem))
 
 
 def _flag_flow(
-    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, str], result: ShardPlan
+    nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, ShardMode],
+    result: ShardPlan,
 ) -> None:
     """Warn where, in definition order, sharded activations meet the wrong layer.
 
     The check assumes the forward calls the layers in the order they are defined,
     which holds for ``nn.Sequential`` and most MLPs but not for parallel branches.
     """
-    tp_modes = {p: _INPLACE.get(m, m) for p, m in modes.items() if m != REPLICATED}
+    outputs = {p: RULES[m].output for p, m in modes.items()}
     for node in nodes:
         current = _current_mode(node.module)
-        if current is not None and node.path not in tp_modes:
-            tp_modes[node.path] = _INPLACE.get(current, current)
-    if not tp_modes:
-        return
+        if current is not None and not outputs.get(node.path):
+            outputs[node.path] = RULES[current].output
     sharded_by: str | None = None  # the all-to-sharded layer whose output is sharded
     last_full = "the model input"
     for node in nodes:
         if not _direct_params(node, by_path):
             continue
-        mode = tp_modes.get(node.path)
+        output = outputs.get(node.path)
         where = node.path or "(root)"
-        if mode == A2S:
+        if output == "sharded":
             if sharded_by is not None:
                 result.warnings.append(
                     f"{where} is all-to-sharded but its input is still sharded by "
                     f"{sharded_by} (no sharded-to-all in between)")
             sharded_by = where
-        elif mode == S2A:
+        elif output == "whole":
             if sharded_by is None:
                 result.warnings.append(
                     f"{where} is sharded-to-all and expects a sharded input, but it follows "
@@ -836,20 +940,16 @@ def shard(
 
     if isinstance(model, mxd.FullyShardedModule):
         return model
-    if sharding == FSDP:
-        full = {p: tuple(a.shape) for p, a in tree_flatten(model.parameters())}
-        wrapped = mxd.fully_shard(model, group=group)
-        if wrapped is not model:
-            wrapped._nbdist_shard = _LayerShard(
-                FSDP, 1, {f"module.{p}": s for p, s in full.items()}, n_ranks)
-            if not has_sum_scatter(group):
-                warnings.warn(f"mlx_nbdist.shard: {NO_SUM_SCATTER}", UserWarning, stacklevel=2)
-                _block_fsdp_backward(wrapped)
-        return wrapped
+    mode = None if isinstance(sharding, Mapping) else _mode(sharding)
+    if mode is not None and RULES[mode].whole_model:
+        return RULES[mode].convert(model, segments, group)  # type: ignore[misc]
 
-    inplace = sorted(p for p, m in the_plan.layer_modes.items() if m in _INPLACE)
-    if inplace:
-        warnings.warn(f"mlx_nbdist.shard: {', '.join(inplace)}: {_INPLACE_WARNING}",
+    inexact: dict[ShardMode, list[str]] = {}
+    for path, m in the_plan.layer_modes.items():
+        if RULES[m].warning:
+            inexact.setdefault(m, []).append(path)
+    for (_via, warning), paths in _by_warning(inexact).items():
+        warnings.warn(f"mlx_nbdist.shard: {', '.join(sorted(paths))}: {warning}",
                       UserWarning, stacklevel=2)
     by_path = {n.path: n for n in _walk(model)}
     root = model
@@ -863,6 +963,22 @@ def shard(
         else:
             node.parent[node.key] = new
     return root
+
+
+def _fully_shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """``fully_shard`` the whole model; on a backend without ``sum_scatter``, warn and
+    make its gradients fail at once (see :func:`_block_fsdp_backward`)."""
+    full = {p: tuple(a.shape) for p, a in tree_flatten(model.parameters())}
+    wrapped = mxd.fully_shard(model, group=group)
+    if wrapped is not model:
+        meta = _LayerShard(
+            ShardMode.FSDP, 1, {f"module.{p}": s for p, s in full.items()}, group.size())
+        setattr(wrapped, _META_ATTR, meta)
+        if not has_sum_scatter(group):
+            # stacklevel: the user's call of shard(), through the rule's convert
+            warnings.warn(f"mlx_nbdist.shard: {NO_SUM_SCATTER}", UserWarning, stacklevel=4)
+            _block_fsdp_backward(wrapped)
+    return wrapped
 
 
 def _check_identical(model: nn.Module, group: mx.distributed.Group) -> None:
@@ -918,7 +1034,7 @@ def _block_fsdp_backward(wrapped: mxd.FullyShardedModule) -> None:
     rank alike, before the backward's sum_scatter is issued), so the group stays
     usable and the forward keeps working.
     """
-    gather = wrapped._gather_fn
+    gather = _mlx.gather_fn(wrapped)
 
     @mx.custom_function
     def guarded(shards: list[mx.array]) -> list[mx.array]:
@@ -929,17 +1045,14 @@ def _block_fsdp_backward(wrapped: mxd.FullyShardedModule) -> None:
                     ) -> list[mx.array]:
         raise RuntimeError(FSDP_NO_GRADIENTS)
 
-    wrapped._gather_fn = guarded
+    _mlx.set_gather_fn(wrapped, guarded)
 
 
 def _shard_layer(
-    layer: nn.Module, mode: str, group: mx.distributed.Group, segments: int, n_ranks: int
+    layer: nn.Module, mode: ShardMode, group: mx.distributed.Group, segments: int,
+    n_ranks: int,
 ) -> nn.Module:
     full = {p: tuple(a.shape) for p, a in tree_flatten(layer.parameters())}
-    if mode in _INPLACE:
-        mxd.shard_inplace(layer, _INPLACE[mode], segments=segments, group=group)
-        new = layer
-    else:
-        new = mxd.shard_linear(layer, mode, segments=segments, group=group)
-    new._nbdist_shard = _LayerShard(mode, segments, full, n_ranks)
+    new = RULES[mode].convert(layer, segments, group)  # type: ignore[misc]
+    setattr(new, _META_ATTR, _LayerShard(mode, segments, full, n_ranks))
     return new

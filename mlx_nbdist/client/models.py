@@ -3,30 +3,32 @@
 On the notebook side these functions take the *name* of a model (or of one of its
 parameters) in the ranks' namespace and a session (default: the current one).
 Inside a ``%%mlxdist`` cell, :func:`plan` and :func:`shard` also take the model
-object itself and call :mod:`mlx_nbdist.sharding` directly::
+object itself and call :mod:`mlx_nbdist.engine.sharding` directly::
 
     %%mlxdist
     model = mlx_nbdist.shard(model, "megatron")     # on every rank
     mlx_nbdist.plan("model")                         # from the notebook: a table
+
+What runs on the ranks is in :mod:`mlx_nbdist.engine.rpc`; slices arrive through the
+session's :class:`~mlx_nbdist.client.transfer.Receiver`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import remote, transfer
-from .errors import ShardingError
-from .results import GradSample, PlanRow, TensorSlice
-from .session import Session
+from ..engine import rpc
+from ..errors import CellError, ShardingError
+from ..results import GradSample, PlanRow, TensorSlice
+
+if TYPE_CHECKING:
+    from ..session import Session
 
 
 def _session(session: Session | None) -> Session:
-    from .api import current_session
+    from ..api import current_session
 
     return session or current_session()  # type: ignore[return-value]
 
@@ -53,21 +55,18 @@ class PlanTable:
     group_size: int
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    text: str = ""
 
     def _repr_html_(self) -> str:
-        from .viz import plan_table_html
+        from ..viz import plan_table_html
 
-        html = plan_table_html(self.rows, self.group_size)
-        notes = [f"<li style='color:#b00'>{p}</li>" for p in self.problems]
-        notes += [f"<li style='color:#a60'>{w}</li>" for w in self.warnings]
-        return html + (f"<ul>{''.join(notes)}</ul>" if notes else "")
+        return plan_table_html(self.rows, self.group_size, problems=self.problems,
+                               warnings=self.warnings)
 
     def __str__(self) -> str:
-        from .viz import format_plan
+        from ..viz import format_plan
 
-        extra = [f"problem: {p}" for p in self.problems] + [f"warning: {w}" for w in self.warnings]
-        return "\n".join([format_plan(self.rows, self.group_size), *extra])
+        return format_plan(self.rows, self.group_size, problems=self.problems,
+                           warnings=self.warnings)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -85,14 +84,14 @@ def plan(
 
     Args:
         model: the model's name on the ranks (from the notebook), or the model
-            itself (inside a cell; then a :class:`~mlx_nbdist.sharding.ShardPlan`).
+            itself (inside a cell; then a :class:`~mlx_nbdist.engine.sharding.ShardPlan`).
         sharding: ``megatron``, ``all-to-sharded``, ``sharded-to-all``, ``fsdp``,
             ``inplace-…`` or a ``{layer path or glob: mode}`` mapping.
         segments: fused segments per sharded axis.
         group_size: ranks to plan for (default: the session's, or the group's).
     """
     if not isinstance(model, str):
-        from .sharding import plan as _plan
+        from ..engine.sharding import plan as _plan
 
         return _plan(model, sharding, group_size=group_size or _group_size(), segments=segments)
     return _plan_table(model, sharding, segments, group_size, _session(session), "plan")
@@ -101,11 +100,11 @@ def plan(
 def _plan_table(model: str, sharding: str | dict[str, str | None], segments: int,
                 group_size: int | None, s: Session, command: str) -> PlanTable:
     n = group_size or s.n
-    got = _unwrap(s.apply, remote.plan_rows, model, sharding, n, segments, command,
+    got = _unwrap(s.apply, rpc.plan_rows, model, sharding, n, segments, command,
                   ranks=[0])[0]
     rows = [PlanRow(**{**r, "full_shape": tuple(r["full_shape"]),
                        "local_shape": tuple(r["local_shape"])}) for r in got["rows"]]
-    return PlanTable(rows, n, got["problems"], got["warnings"], got["text"])
+    return PlanTable(rows, n, got["problems"], got["warnings"])
 
 
 def shard(
@@ -123,8 +122,8 @@ def shard(
     cell, ``model`` is the model object and the sharded model is returned.
     """
     if not isinstance(model, str):
-        from .engine.bootstrap import current
-        from .sharding import shard as _shard
+        from ..engine.sharding import shard as _shard
+        from ..engine.state import current
 
         return _shard(model, sharding, group=current().world, segments=segments)
     s = _session(session)
@@ -134,7 +133,7 @@ def shard(
             f"cannot shard {model!r} across {table.group_size} ranks:\n  "
             + "\n  ".join(table.problems)
         )
-    notes = _unwrap(s.apply, remote.shard_model, model, sharding, segments)
+    notes = _unwrap(s.apply, rpc.shard_model, model, sharding, segments)
     table.warnings = sorted({w for text in notes.values() for w in text.splitlines() if w})
     return table
 
@@ -154,32 +153,10 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    rx = s.receiver
-    with rx.request:  # what the notebook holds must not change while a request is out
-        got = sorted(
-            _unwrap(
-                s.apply, remote.slice_of, name, max_elements, s.shm_prefix,
-                socket.gethostname(), tuple(rx.routes), rx.held(), lookup=True,
-            ).items()
-        )  # fmt: skip
-        vm = sum(1 for _, (_m, info, _v) in got if info and info.get("route") == "vm")
-        # ranks read in parallel where cores are to spare (measured on 2 cores: two
-        # reader threads halve the median but, competing with the engines and the
-        # controller, take 3-6x longer one time in ten; one thread never did)
-        workers = min(vm, (os.cpu_count() or 1) // 2)
-        try:
-            if workers > 1:
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    datas = list(pool.map(lambda g: rx.unpack(g[0], *g[1][1:]), got))
-            else:
-                datas = [rx.unpack(r, info, values) for r, (_m, info, values) in got]
-        except transfer.RouteRefused as e:
-            rx.routes.remove(e.route)  # e.g. ptrace rules forbid reading rank memory
-            datas = None
-    if datas is None:
-        return slices(name, max_elements=max_elements, session=s)
+    got = s.receiver.pull(lambda *a: _unwrap(s.apply, *a, lookup=True), name, max_elements,
+                          s.shm_prefix)
     out = []
-    for (_, (meta, _info, _values)), data in zip(got, datas, strict=True):
+    for meta, data in got:
         meta = dict(meta, data=data)
         meta["shape"], meta["full_shape"] = tuple(meta["shape"]), tuple(meta["full_shape"])
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
@@ -194,11 +171,11 @@ def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,
     ``name`` may also be a quantized layer (``model.layers.0``): then its packed
     weight, scales and biases are drawn side by side.
     """
-    from .viz import show_quantized, show_tensor
+    from ..viz import show_quantized, show_tensor
 
     s = _session(session)
-    if _unwrap(s.apply, remote.is_quantized_layer, name, ranks=[0], lookup=True)[0]:
-        parts = s.apply(remote.quantized_parts, name, ranks=[0])[0]
+    if _unwrap(s.apply, rpc.is_quantized_layer, name, ranks=[0], lookup=True)[0]:
+        parts = s.apply(rpc.quantized_parts, name, ranks=[0])[0]
         got = {p.rsplit(".", 1)[1]: one_tensor(p, slices(p, max_elements=max_elements,
                                                           session=s), "show")
                for p in parts}
@@ -211,7 +188,7 @@ def show_text(name: str, *, max_elements: int | None = 1 << 20,
               session: Session | None = None) -> str:
     """The text form of :func:`show` (``%mlxdist show NAME --text``): a character grid
     of who holds what and a table of each rank's slice."""
-    from .viz import format_tensor
+    from ..viz import format_tensor
 
     got = slices(name, max_elements=max_elements, session=_session(session))
     return format_tensor(one_tensor(name, got, "show"))
@@ -251,17 +228,17 @@ class GradSync:
     samples: list[GradSample]
 
     def desynced(self, tol: float = 1e-6) -> list[str]:
-        from .viz import desynced
+        from ..viz import desynced
 
         return desynced(self.samples, tol)
 
     def figure(self) -> Any:
-        from .viz import gradsync_figure
+        from ..viz import gradsync_figure
 
         return gradsync_figure(self.samples)
 
     def __str__(self) -> str:
-        from .viz import format_gradsync
+        from ..viz import format_gradsync
 
         return format_gradsync(self.samples)
 
@@ -280,7 +257,7 @@ def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | Non
         mode: ``auto``, ``dp`` (average_gradients), ``tp`` or ``fsdp``.
     """
     s = _session(session)
-    got = _unwrap(s.apply, remote.grad_samples, name, step, mode, own=True)
+    got = _unwrap(s.apply, rpc.grad_samples, name, step, mode, own=True)
     samples = [GradSample(**{**d, "shape": tuple(d["shape"])})
                for _, rows in sorted(got.items()) for d in rows]
     return GradSync(samples)
@@ -313,7 +290,7 @@ class CheckReport:
 def check(name: str, *, rtol: float = 0.0, session: Session | None = None) -> CheckReport:
     """Checksum every replicated parameter on every rank; report ranks that diverged."""
     s = _session(session)
-    sums = _unwrap(s.apply, remote.checksums, name, own=True)
+    sums = _unwrap(s.apply, rpc.checksums, name, own=True)
     ref = sums[0]
     diverged: dict[str, dict[int, float]] = {}
     for rank, table in sorted(sums.items()):
@@ -334,15 +311,13 @@ def _unwrap(apply: Any, *args: Any, own: bool = False, lookup: bool = False,
     a TypeError there keeps its traceback); with ``lookup`` also a KeyError (an unknown
     parameter path, with close matches).
     """
-    from .errors import CellError
-
     try:
         return apply(*args, **kwargs)
     except CellError as e:
         first = e.failures[0] if e.failures else None
         if first is None:
             raise
-        ours = first.ename in ("ShardingError", "WrongObjectError") or (
+        ours = first.ename in ("ShardingError", rpc.WrongObjectError.__name__) or (
             first.ename == "NameError" and "is not defined on this rank" in first.evalue)
         if own and not ours:
             raise

@@ -1,0 +1,88 @@
+"""One source of defaults and timings.
+
+The notebook's ``%config MLXDist.*`` traits, the kernel's ``MLXDistKernel.*`` traits and
+:class:`~mlx_nbdist.Session`'s keyword arguments all take their defaults from here, and
+the timings that must agree (how often ranks publish their state, how often the
+supervisor ticks, when the dashboard calls a silent rank hung) derive from one value.
+Importing this module imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .enums import TextEnum
+
+
+class Backend(TextEnum):
+    """MLX's distributed backends a session can form its group with."""
+
+    RING = "ring"
+    MPI = "mpi"
+
+
+
+#: ranks of a session when nobody says
+N = 2
+BACKEND = Backend.RING
+#: default deadline of a cell, seconds (``None``: none)
+CELL_TIMEOUT = 300.0
+#: how long engines may take to register and join the group, seconds
+START_TIMEOUT = 120.0
+#: characters of a cell's output per rank that reach the notebook (0: all)
+OUTPUT_LIMIT = 1 << 20
+#: most ranks one session may ask for
+MAX_RANKS = 64
+
+#: how often each rank publishes its state (its status file) while it runs, seconds
+PUBLISH_INTERVAL = 0.25
+#: a rank whose published state is older than this many intervals shows as hung
+STALE_INTERVALS = 12
+STALE_AFTER = PUBLISH_INTERVAL * STALE_INTERVALS
+
+
+@dataclass
+class Policy:
+    """Timings of the supervisor, in seconds (``%config MLXDist.policy = {...}``)."""
+
+    timeout: float | None = None
+    #: after a rank failed, how long the others may keep running before they count as stuck
+    failure_grace: float = 2.0
+    #: how long a drain may take before the stuck ranks are ended
+    drain_timeout: float = 3.0
+    #: after SIGINT, how long before the ranks still running are ended
+    interrupt_grace: float = 2.0
+    #: how long every rank must answer the alignment check after a drain or stop
+    align_timeout: float = 5.0
+    #: ranks that all wait to receive from each other, none moving (same records, same
+    #: place in the code), for this long are deadlocked
+    deadlock_grace: float = 3.0
+    poll: float = 0.02
+    #: how often the rank processes are checked for life (each check reads /proc)
+    alive_every: float = 0.2
+    #: how often ``on_tick`` is called while a cell runs (live displays read the ranks'
+    #: published state then: no point in reading faster than they publish)
+    tick: float = PUBLISH_INTERVAL
+    #: after the first rank finished, how long before the others' status files are
+    #: read to see whether they wait in a collective it never issued (replies of a
+    #: cell arrive a fraction of a millisecond apart: reading then only delays them)
+    stragglers_after: float = 0.05
+
+    def updated(self, changes: dict[str, Any]) -> Policy:
+        """A copy with ``changes`` applied; a name that is no timing, or a value that
+        is not a non-negative number, raises ``ValueError`` naming it."""
+        names = {f.name for f in fields(self)}
+        out = dict(self.__dict__)
+        for key, value in changes.items():
+            if key not in names:
+                raise ValueError(
+                    f"policy: {key!r} is not a supervisor timing; known: {', '.join(sorted(names))}"
+                )
+            ok = value is None and key == "timeout"
+            if not ok and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            ):
+                raise ValueError(f"policy: {key} must be a number of seconds >= 0, got {value!r}")
+            out[key] = None if value is None else float(value)
+        return Policy(**out)

@@ -1,0 +1,71 @@
+"""The start and end of a cell (or of an apply) on a rank.
+
+A ``%%mlxdist`` cell is an execute request: IPython's ``pre_run_cell`` and
+``post_run_cell`` events (:func:`install_hooks`) call :func:`begin` and
+:func:`finish`. An apply (``Session.apply``) runs through ``rpc.call``, which calls
+them around the function. The session sends a cell's metadata (cell number, active
+ranks, check mode, output limit) as the execute request's label, or as ``call``'s
+first argument.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import output, state
+
+#: the key of a cell's ledger among the data a rank publishes (``md["data"]``)
+LEDGER_KEY = "mlx_nbdist.ledger"
+
+
+def begin(meta: dict[str, Any]) -> None:
+    """Start a cell or apply on this rank: cell number, active ranks, check mode."""
+    st = state.current()
+    cell = int(meta.get("cell", 0))
+    st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
+    output.begin_cell(cell, limit=meta.get("output_limit"))
+    st.monitor.cell_started(cell)
+
+
+def finish(status: str) -> None:
+    """End a cell or apply on this rank (``status``: ``ok`` or the exception's name):
+    run its unevaluated collectives (see :meth:`Tracker.settle`), send the notebook
+    its ledger when it issued any collective, flush its output, publish its end."""
+    st = state.current()
+    try:
+        st.tracker.settle()
+        if st.tracker.cell_count:
+            from ipyparallel.datapub import publish_data
+
+            try:
+                publish_data({LEDGER_KEY: st.tracker.ledger()})
+            except Exception:  # noqa: BLE001 - no kernel (plain process): nobody to tell
+                pass
+    finally:
+        output.end_cell()
+        st.monitor.cell_finished(status)
+
+
+def install_hooks(ip: Any) -> None:
+    """Run :func:`begin` and :func:`finish` around every cell of the shell ``ip``."""
+
+    def pre_run_cell(info: Any) -> None:
+        begin(_meta(ip))
+
+    def post_run_cell(result: Any) -> None:
+        finish("ok" if result.success else type(result.error_in_exec).__name__)
+
+    ip.events.register("pre_run_cell", pre_run_cell)
+    ip.events.register("post_run_cell", post_run_cell)
+
+
+def _meta(ip: Any) -> dict[str, Any]:
+    """The cell's metadata: the session sends it as the execute request's label."""
+    try:
+        label = ip.kernel.get_parent()["metadata"].get("label") or ""
+    except Exception:  # noqa: BLE001 - no kernel (plain shell): no metadata
+        return {}
+    if not label.startswith('{"mlxdist"'):
+        return {}
+    return json.loads(label)

@@ -1,0 +1,21 @@
+"""Engines on this machine: ipyparallel's local engine-set launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .base import Launcher
+
+
+class LocalLauncher(Launcher):
+    """Every rank a child process of this machine's controller launcher."""
+
+    name = "local"
+    summary = "ipyparallel engines on this machine (the default without hosts)"
+    takes_hosts = False
+
+    def cluster_kwargs(self, directory: Path) -> dict[str, Any]:
+        from .._ipp import engine_set_launcher
+
+        return {"engine_launcher_class": engine_set_launcher()}  # engines keep exit codes

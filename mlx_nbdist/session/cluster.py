@@ -1,0 +1,283 @@
+"""The ipyparallel cluster of one session: its controller and engines, from start to
+stop, and every process it made.
+
+This is the one module that reads ipyparallel's cluster and launcher objects
+(``cluster.controller.process``, ``engine_set.launchers``, ``engine_set.stop_data``):
+they are public attributes, but what they hold depends on the launcher, so each read
+is defensive.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .. import processes, runtime, watchdog
+from ..errors import StartError
+from ..launchers import Launcher
+from ..launchers.ssh import SSHLauncher
+from ..outcomes import short_error
+
+Progress = Callable[[str], None]
+
+
+class Cluster:
+    """Controller and engines of one session, and the processes they made.
+
+    Args:
+        launcher: starts the engines.
+        n: the number of engines.
+        start_timeout: how long the engines may take to register.
+    """
+
+    def __init__(self, launcher: Launcher, n: int, start_timeout: float):
+        self.launcher = launcher
+        self.n = n
+        self.start_timeout = start_timeout
+        self.session_id = runtime.new_session_id()
+        self.directory: Path = runtime.session_dir(self.session_id)
+        self.controller_ip = runtime.LOOPBACK
+        self.ipp: Any = None  # the ipyparallel Cluster
+        self.client: Any = None
+        #: the controller and its schedulers, watched while cells run
+        self.infra: dict[str, psutil.Process] = {}
+        self.watchdog: int | None = None  # its PID (see mlx_nbdist.watchdog)
+
+    # -- starting -------------------------------------------------------------------
+    def start_controller(self, controller_ip: str) -> None:
+        """Make the ipyparallel cluster and start its controller, listening on
+        ``controller_ip`` only (``0.0.0.0``: every interface, only when asked for)."""
+        import ipyparallel as ipp
+
+        placement = self.launcher.placement
+        self.controller_ip = controller_ip
+        kwargs: dict[str, Any] = dict(
+            n=self.n,
+            cluster_id=self.session_id,
+            profile_dir=str(self.directory / "profile"),
+            controller_ip=controller_ip,
+            controller_args=["--ping=1000"],
+            delay=0.1,
+            log_level=40,
+            shutdown_atexit=True,
+        )
+        if controller_ip == "0.0.0.0" and placement is not None:
+            from ..hosts import host_address, route_address
+
+            # engines need a real address to connect to
+            kwargs["controller_location"] = route_address(host_address(placement.hosts[0]))
+        kwargs.update(self.launcher.cluster_kwargs(self.directory))
+        self.ipp = ipp.Cluster(**kwargs)
+        self.ipp.start_controller_sync()
+
+    def start_watchdog(self) -> None:
+        """A process that ends this session if this one dies (see mlx_nbdist.watchdog)."""
+        try:
+            self.watchdog = watchdog.start(self.directory)
+        except OSError as e:
+            warnings.warn(f"{e}; if this kernel dies, run %mlxdist cleanup", stacklevel=5)
+
+    def start_engines(self, say: Progress) -> None:
+        """Start the engines and wait until all registered."""
+        try:
+            self.ipp.start_engines_sync(self.n, environment=self.launcher.engine_env())
+        except Exception as e:
+            if self.launcher.placement is None:
+                raise
+            raise StartError(self.launcher.start_failure(self.ipp, short_error(e))) from e
+
+    def connect(self, say: Progress) -> Any:
+        """Connect the client and wait for all ``n`` engines to register."""
+        self.client = self.ipp.connect_client_sync()
+        t_end = time.monotonic() + self.start_timeout
+        seen = -1
+        while len(self.client.ids) < self.n:
+            if len(self.client.ids) != seen:
+                seen = len(self.client.ids)
+                say(f"engines registered: {seen}/{self.n}")
+            if not all(es.running for es in self.ipp.engines.values()):
+                raise StartError(
+                    f"the engines exited while starting{self.hosts_note()}.\n"
+                    + runtime.log_tail(self.directory)
+                )
+            if time.monotonic() > t_end:
+                raise StartError(
+                    f"only {len(self.client.ids)} of {self.n} engines registered within "
+                    f"{self.start_timeout:g} s{self.hosts_note()}.\n"
+                    + runtime.log_tail(self.directory)
+                )
+            time.sleep(0.1)
+        say(f"engines registered: {self.n}/{self.n}")
+        return self.client
+
+    def hosts_note(self) -> str:
+        """Which hosts engines were started on, and which of them stopped."""
+        placement = self.launcher.placement
+        if placement is None:
+            return ""
+        stopped = (
+            self.launcher.stopped_hosts(self.ipp) if isinstance(self.launcher, SSHLauncher) else []
+        )
+        note = f" (engines started on {placement.summary()}; controller on {self.controller_ip}"
+        if stopped:
+            note += f"; the engine process exited on {', '.join(stopped)}"
+        note += ")"
+        if self.controller_ip != "0.0.0.0":
+            note += (
+                f". Check that every host reaches {self.controller_ip} (or pass "
+                "--controller-ip) and runs the same Python environment"
+            )
+        return note
+
+    @property
+    def controller_location(self) -> str:
+        """The address engines reach the controller on."""
+        return self.ipp.controller_location
+
+    def watch_infrastructure(self) -> None:
+        """Remember the controller and the schedulers it forked: cells check they
+        still run, and stop ends them even if the controller died first."""
+        self.infra = {}
+        cpid = self.controller_pid()
+        try:
+            controller = psutil.Process(cpid) if cpid else None
+        except psutil.Error:
+            controller = None
+        if controller is None:
+            return
+        self.infra["controller"] = controller
+        for i, child in enumerate(controller.children(recursive=True)):
+            self.infra[f"controller's scheduler #{i + 1}"] = child
+
+    def infrastructure_problem(self) -> str:
+        """Why results can no longer reach the notebook: the controller or one of its
+        schedulers exited (``""`` when all run)."""
+        for what, p in self.infra.items():
+            if processes.running(p):
+                continue
+            return f"the ipyparallel {what} (pid {p.pid}) exited; results cannot reach the notebook"
+        return ""
+
+    # -- processes ------------------------------------------------------------------
+    def controller_pid(self) -> int | None:
+        proc = getattr(getattr(self.ipp, "controller", None), "process", None)
+        return getattr(proc, "pid", None)
+
+    def processes(self, rank_pids: list[int]) -> list[tuple[int, float]]:
+        """``(pid, start time)`` of every local process of this cluster that still
+        runs: the ranks (``rank_pids``) and their nannies, the controller and its
+        schedulers, the launchers' processes."""
+        pids: list[int] = []
+        for pid in rank_pids:  # each engine with ipyparallel's nanny that watches it
+            pids += [pid, *processes.children(pid)]
+        if self.ipp is not None:
+            cpid = self.controller_pid()
+            if cpid:
+                pids += [cpid, *processes.children(cpid)]  # the controller forks its schedulers
+            for es in self.ipp.engines.values():
+                for lnch in getattr(es, "launchers", {}).values():
+                    p = getattr(getattr(lnch, "process", None), "pid", None)
+                    if p:
+                        pids.append(p)
+                p = getattr(getattr(es, "process", None), "pid", None)
+                if p:
+                    pids.append(p)
+        out = [processes.identity(p) for p in self.infra.values() if processes.running(p)]
+        out += [ident for pid in dict.fromkeys(pids) if (ident := processes.identity(pid))]
+        return list(dict.fromkeys(x for x in out if x))
+
+    def exit_of(self, pid: int | None) -> int | None:
+        """The exit code of a local engine process ``pid`` when its launcher started it
+        as this process's child (negative: the signal); ``None`` when unknown."""
+        for es in self.ipp.engines.values() if self.ipp is not None else []:
+            # an engine whose stop ipyparallel has processed: its launcher is gone
+            stopped = (getattr(es, "stop_data", None) or {}).get("engines", {})
+            for data in stopped.values():
+                if data.get("pid") == pid and isinstance(data.get("exit_code"), int):
+                    return data["exit_code"]
+            for lnch in getattr(es, "launchers", {}).values():
+                proc = getattr(lnch, "process", None)
+                if proc is None or getattr(proc, "pid", None) != pid:
+                    continue
+                code = getattr(proc, "exit_code", None)
+                if code is None:
+                    try:  # reap it here if ipyparallel's waiting thread has not yet
+                        code = proc.wait(timeout=0.5)
+                    except Exception:  # noqa: BLE001 - still running, or reaped elsewhere
+                        code = None
+                    code = getattr(proc, "exit_code", None) if code is None else code
+                return code
+        return None
+
+    def remote_signals(self, targets: dict[int, tuple[str, int]], sig: int) -> list[Callable]:
+        """Jobs that signal ranks on other machines (see :meth:`Launcher.remote_signals`)."""
+        return self.launcher.remote_signals(self.ipp, targets, sig)
+
+    # -- stopping -------------------------------------------------------------------
+    def stop(
+        self,
+        rank_pids: list[int],
+        end_first: Callable[[], None] | None = None,
+        on_ended: Callable[[], None] | None = None,
+    ) -> None:
+        """Close the client, stop the controller and engines, and end by PID whatever
+        is left (also the controller's schedulers). ``end_first`` runs before the
+        polite stop (e.g. SIGKILL to ranks stuck in a collective), ``on_ended`` once
+        every process is gone, before the watchdog is stopped. A Ctrl-C during the
+        stop ends the processes all the same, then is raised."""
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        interrupted = None
+        if self.ipp is not None:
+            pids = self.processes(rank_pids)
+            cpid = self.controller_pid()
+            c_started = next((t for p, t in pids if p == cpid), None)
+            if end_first is not None:
+                end_first()
+            try:
+                self.ipp.stop_cluster_sync()
+            except KeyboardInterrupt as e:
+                interrupted = e
+            except Exception:  # noqa: BLE001 - fall through to ending the PIDs
+                pass
+            processes.end_pids(pids)
+            if cpid and c_started is not None:
+                # the controller leads its own process group and forks its schedulers
+                # into it: one forked after the list above was made is ended here
+                processes.end_pids(
+                    processes.group_members(cpid, c_started, "ipyparallel.controller")
+                )
+        processes.end_recorded(self.directory)  # e.g. a dead controller's schedulers
+        if on_ended is not None:
+            on_ended()
+        if self.watchdog is not None:
+            watchdog.stop(self.watchdog, self.directory)
+            self.watchdog = None
+        self.client = None
+        self.ipp = None
+        self.infra = {}
+        if interrupted is not None:
+            raise interrupted
+
+
+def describe_exit(code: int | None) -> str:
+    """``-9`` -> ``killed by SIGKILL (signal 9; the out-of-memory killer sends it too)``."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        extra = "; the out-of-memory killer sends it too" if -code == signal.SIGKILL else ""
+        return f"killed by {name} (signal {-code}{extra})"
+    return f"exit code {code}"

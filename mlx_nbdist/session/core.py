@@ -1,0 +1,785 @@
+"""A session owns one ipyparallel cluster whose engines form one MLX group.
+
+>>> from mlx_nbdist import Session
+>>> with Session(n=2) as s:
+...     r = s.run("y = mx.distributed.all_sum(mx.ones(2) * (rank + 1), group=world); print(y)")
+...     print(r.stdout(0))
+array([3, 3], dtype=float32)
+
+Ranks are the session's: rank ``r`` is always ``r``, whatever ids ipyparallel gives
+the engines (restarted engines get new ids).
+
+The session is the facade: its state machine, one dispatch for :meth:`Session.run`
+and :meth:`Session.apply`, and what a cell's end needs checked. The cluster's
+processes are :class:`~.cluster.Cluster`'s, forming the group is
+:mod:`~.formation`'s, the ranks' liveness and signals are :class:`~.ranks.RankGroup`'s.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .. import _ipp, config, launchers
+from .. import hosts as _hosts
+from ..client.transfer import Receiver, discard
+from ..engine import rpc
+from ..enums import TextEnum
+from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError
+from ..outcomes import check_ledgers, collect, ledgers_of, raise_for
+from ..results import (
+    DIED,
+    PAUSED,
+    CellResult,
+    CollectiveRecord,
+    RankInfo,
+    RankState,
+    RankStatus,
+)
+from ..streams import CellStreams, OutputEvent
+from ..supervise import Outcome, Supervisor, failed
+from . import diagnostics, formation
+from .cluster import Cluster
+from .formation import RankPlace
+from .ranks import RankGroup
+
+
+class SessionState(TextEnum):
+    """The one state of a session; compares equal to its value (``"ready"``)."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+
+
+
+STOPPED, STARTING, READY, BROKEN = (
+    SessionState.STOPPED,
+    SessionState.STARTING,
+    SessionState.READY,
+    SessionState.BROKEN,
+)
+Progress = Callable[[str], None]
+#: ``timeout=DEFAULT``: the session's own deadline
+DEFAULT: Any = type("Default", (), {"__repr__": lambda self: "DEFAULT"})()
+
+
+class DisplayWarning(UserWarning):
+    """A rank ran its cell, but showing the cell's result failed there."""
+
+
+class OversubscribedWarning(UserWarning):
+    """More ranks than CPU cores: it works, but collectives get slow."""
+
+
+@dataclass
+class SessionStatus:
+    """What ``%mlxdist status`` shows."""
+
+    state: SessionState
+    n: int
+    backend: str
+    launcher: str
+    session_id: str
+    uptime: float
+    broken_reason: str
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+    alive: dict[int, bool] = field(default_factory=dict)
+    live: dict[int, RankState] = field(default_factory=dict)
+
+
+_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class Session:
+    """N ipyparallel engines in one MLX distributed group, on one or several hosts.
+
+    Args:
+        n: number of ranks (default 2; with ``hostfile``, one per hostfile entry;
+            with ``hosts``, one per host).
+        backend: MLX backend, ``ring`` (TCP, default) or ``mpi``.
+        launcher: one of :data:`mlx_nbdist.launchers.LAUNCHERS`: ``local``
+            (ipyparallel local engines), ``ssh`` (ipyparallel's SSH engine launcher,
+            on ``hosts``) or ``mpi`` (engines started by ``mpirun``); defaults to
+            ``mpi`` for the mpi backend, else ``ssh`` when hosts are given, else
+            ``local``.
+        timeout: default deadline of a cell in seconds (``None``: no deadline).
+        start_timeout: how long engines may take to register and join the group.
+        check_collectives: verify op/shape/dtype across ranks before each collective.
+        hosts: ``"a,b"`` or ``["a", "b"]``: spread the ranks over these hosts;
+            ``"slurm"``: the nodes of the current Slurm allocation; ``"local"``:
+            this machine even inside a Slurm allocation. Default: this machine, or
+            the Slurm allocation when this process runs in one of several nodes.
+        hostfile: MLX's hostfile (``{"hosts": [{"ssh": name, "ips": [...]}, ...]}``,
+            as written by ``mlx.distributed_config``): entry ``i`` is rank ``i``.
+        controller_ip: the address of this machine the hosts reach the controller
+            on (default: the route towards the first host; ``0.0.0.0`` listens on
+            every interface and is only used when asked for).
+        ssh_cmd, scp_cmd: the commands ipyparallel's SSH launcher runs (default
+            ``ssh``/``scp`` with BatchMode and a 10 s connect timeout).
+        python: the Python interpreter on the hosts (default: this one's path).
+        assume_remote: treat every rank as if on another machine even when this one
+            sees its process and files (liveness through ipyparallel, signals
+            through ssh, no status files); for tests and debugging.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        backend: str = config.BACKEND,
+        launcher: str | None = None,
+        timeout: float | None = config.CELL_TIMEOUT,
+        start_timeout: float = config.START_TIMEOUT,
+        check_collectives: bool = False,
+        hosts: str | Iterable[str] | None = None,
+        hostfile: str | os.PathLike[str] | None = None,
+        controller_ip: str | None = None,
+        ssh_cmd: list[str] | None = None,
+        scp_cmd: list[str] | None = None,
+        python: str | None = None,
+        assume_remote: bool = False,
+    ):
+        if n is not None:
+            _check_n(n)
+        self.hosts = list(hosts) if hosts is not None and not isinstance(hosts, str) else hosts
+        self.hostfile = hostfile
+        self.placement = _hosts.resolve(hosts=self.hosts, hostfile=hostfile, n=n)
+        self.n = int(self.placement.n if self.placement else (config.N if n is None else n))
+        _check_n(self.n)
+        self.backend = launchers.backend_of(backend)
+        self.launcher = launcher or launchers.default_name(self.backend, self.placement)
+        self.timeout = _check_timeout(timeout)
+        #: characters of a cell's output per rank that reach the notebook (0: all)
+        self.output_limit = config.OUTPUT_LIMIT
+        self.start_timeout = start_timeout
+        self.check_collectives = check_collectives
+        self.controller_ip_requested = controller_ip
+        self.ssh_cmd = list(ssh_cmd) if ssh_cmd else None
+        self.scp_cmd = list(scp_cmd) if scp_cmd else None
+        self.python = python
+        self.assume_remote = assume_remote
+        self.policy = config.Policy()
+        self._state = STOPPED
+        #: True while :meth:`stop` ends the processes (ranks are going, not dead)
+        self.stopping = False
+        #: one cell, apply or push at a time: a second caller (another thread, a
+        #: kernel subshell) waits, so two cells' collectives never interleave
+        self._run_lock = threading.RLock()
+        self.broken_reason = ""
+        self.cluster: Cluster | None = None
+        self.group: RankGroup | None = None
+        #: the id and private folder (records, logs, rank status and output files) of
+        #: the last start; kept after stop, for what the ranks wrote there
+        self.session_id = ""
+        self.directory: Path | None = None
+        self._started_at = 0.0
+        self._cell = 0
+        #: the notebook's end of slice transfers (see ``mlx_nbdist.slices``)
+        self.receiver = Receiver()
+
+    # -- what it is now ------------------------------------------------------------------
+    @property
+    def state(self) -> SessionState:
+        """``stopped`` -> ``starting`` -> ``ready`` (-> ``broken``) -> ``stopped``."""
+        return self._state
+
+
+    @property
+    def client(self) -> Any:
+        """The ipyparallel client (``None`` when stopped)."""
+        return self.cluster.client if self.cluster else None
+
+    @property
+    def controller_ip(self) -> str:
+        return self.cluster.controller_ip if self.cluster else "127.0.0.1"
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """Each rank's engine id, PID and host, as it joined the group."""
+        return self.group.ranks if self.group else {}
+
+    @property
+    def places(self) -> dict[int, RankPlace]:
+        """Where each rank runs (host, ring endpoints, reachable by PID and files)."""
+        return self.group.places if self.group else {}
+
+    @property
+    def shm_prefix(self) -> str:
+        """Prefix of this session's shared-memory transfer files (see engine.transfer)."""
+        return f"mlxnb-{self.session_id}"
+
+    @property
+    def cell(self) -> int:
+        """The number of the last cell (or apply) sent to the ranks; 0 before any."""
+        return self._cell
+
+    @property
+    def uptime(self) -> float:
+        """Seconds since the session (or its last restart) started; 0 when stopped."""
+        if not self._started_at or self._state == STOPPED:
+            return 0.0
+        return time.time() - self._started_at
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, progress: Progress | None = None) -> Session:
+        """Start the controller and engines, join them in one MLX group, and check it.
+
+        On a session already started this does nothing (a broken one stays broken:
+        :meth:`restart` replaces it).
+        """
+        say = progress or (lambda msg: None)
+        if self._state in (READY, BROKEN):
+            return self
+        if self.placement is not None and self.placement.n != self.n:
+            # ``n`` changed since (``%mlxdist restart -n``): place the new count
+            self.placement = _hosts.resolve(hosts=self.hosts, hostfile=self.hostfile, n=self.n)
+        launcher = launchers.create(
+            self.launcher,
+            self.placement,
+            self.n,
+            ssh_cmd=self.ssh_cmd,
+            scp_cmd=self.scp_cmd,
+            python=self.python,
+        )
+        launcher.check(self.backend)
+        _check_mlx()
+        cores = os.cpu_count() or 1
+        if self.placement is None and self.n > cores:
+            warnings.warn(
+                f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
+                "and compute will be slow (fine for learning, not for timing)",
+                OversubscribedWarning,
+                stacklevel=2,
+            )
+        with self._run_lock:
+            self._state = STARTING
+            self.broken_reason = ""
+            self.group = None
+            try:
+                self.cluster = Cluster(launcher, self.n, self.start_timeout)
+                self.session_id, self.directory = self.cluster.session_id, self.cluster.directory
+                self._launch(self.cluster, say)
+            except BaseException:
+                try:
+                    self._teardown()
+                finally:
+                    self._state = STOPPED
+                raise
+            self._state = READY
+        self._started_at = time.time()
+        _LIVE.add(self)
+        return self
+
+    def _launch(self, cluster: Cluster, say: Progress) -> None:
+        p = self.placement
+        controller_ip = (
+            "127.0.0.1" if p is None else _hosts.controller_address(p, self.controller_ip_requested)
+        )
+        where = "" if p is None else f" on {controller_ip} for {p.source}"
+        say(f"session {cluster.session_id}: starting controller{where}")
+        cluster.start_controller(controller_ip)
+        self._write_record()  # the controller and its schedulers, for the watchdog
+        cluster.start_watchdog()
+        on = "" if p is None else f" on {p.summary()}"
+        say(f"starting {self.n} engines{on} ({self.launcher} launcher)")
+        cluster.start_engines(say)
+        self._write_record()
+        cluster.connect(say)
+        say(f"joining the MLX group ({self.backend} backend)")
+        formed = formation.form_group(
+            cluster, self.backend, assume_remote=self.assume_remote, timeout=self.start_timeout
+        )
+        cluster.watch_infrastructure()
+        self.group = RankGroup(cluster, formed)
+        self._write_record()
+
+    def stop(self) -> None:
+        """Stop the engines and controller; leaves no process or port behind.
+
+        Safe from another thread while a cell runs (that cell then fails), and a
+        second Ctrl-C while stopping does not leave it half done.
+        """
+        if self._state == STOPPED and self.cluster is None:
+            return
+        self.stopping = True
+        try:
+            self._teardown()
+        finally:
+            self._state = STOPPED
+            self.stopping = False
+            _LIVE.discard(self)
+
+    def restart(self, progress: Progress | None = None) -> Session:
+        """New engines, same N, backend and launcher; rank r is still rank r."""
+        self.stop()
+        return self.start(progress)
+
+    def _teardown(self) -> None:
+        cluster, group = self.cluster, self.group
+        try:
+            if cluster is not None:
+                # ranks stuck in a collective ignore SIGTERM: spare the launchers'
+                # grace period (5 s per engine over ssh) and end them now
+                stuck = list(group.ranks) if group and self._state == BROKEN else []
+                cluster.stop(
+                    group.local_pids() if group else [],
+                    end_first=(lambda: group.kill_ranks(stuck, 9)) if stuck else None,
+                    on_ended=lambda: self._write_record(stopped=True),
+                )
+        finally:
+            if cluster is not None:
+                discard(f"mlxnb-{cluster.session_id}")  # slices never pulled
+            self.receiver.close()  # pulled arrays keep their own segments
+            self.cluster = None  # the group stays: who ran where, what they wrote
+
+    def __enter__(self) -> Session:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- processes ---------------------------------------------------------------------
+    def processes(self) -> list[tuple[int, float]]:
+        """``(pid, start time)`` of every local process this session started and that
+        still runs: engines and their nannies, the controller and its schedulers,
+        the launchers' processes."""
+        if self.cluster is None:
+            return []
+        return self.cluster.processes(self.group.local_pids() if self.group else [])
+
+    def _write_record(self, stopped: bool = False) -> None:
+        """The record the watchdog and ``%mlxdist cleanup`` read."""
+        from .. import runtime
+
+        assert self.cluster is not None
+        me = psutil.Process()
+        rec = {
+            "session_id": self.session_id,
+            "client_pid": me.pid,
+            "client_started": me.create_time(),
+            "n": self.n,
+            "backend": str(self.backend),
+            "launcher": self.launcher,
+            "state": str(STOPPED if stopped else self._state),
+            "pids": [] if stopped else self.processes(),
+            "controller_ip": self.controller_ip,
+            # ranks on other machines: cleanup cannot end them by PID from here
+            "remote": {
+                r: [p.host, self.ranks[r].pid]
+                for r, p in self.places.items()
+                if not p.local and r in self.ranks
+            },
+        }
+        runtime.write_record(self.cluster.directory, rec)
+
+    # -- what the notebook side reads of the ranks ---------------------------------------
+    def rank_record(self, rank: int) -> dict[str, Any]:
+        """The status record rank ``rank`` last published (``{}`` when unreadable)."""
+        return self.group.rank_record(rank) if self.group else {}
+
+    def published_in(self, cell: int) -> bool:
+        """Whether a rank published progress bars or scalars during ``cell``."""
+        for r in range(self.n):
+            try:
+                if self.group is not None and self.group.rank_file(r, "live") == str(cell):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def kill_ranks(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to ranks (by PID here, through the launcher elsewhere)."""
+        if self.group is not None:
+            self.group.kill_ranks(ranks, sig)
+
+    def rank_states(self) -> dict[int, RankState]:
+        """Live state of every rank, read from the files the ranks publish."""
+        out = {}
+        g = self.group
+        for r in range(self.n):
+            d = self.rank_record(r)
+            st = RankState(rank=r, **{k: v for k, v in d.items() if k in _STATE_KEYS})
+            st.state = _rank_status(d.get("state"))
+            st.recent = [CollectiveRecord.from_dict(x) for x in d.get("recent", [])]
+            if self._state in (READY, BROKEN) and g and r in g.ranks and not g.rank_alive(r):
+                st.state = RankStatus.DEAD
+            elif self._state == BROKEN and st.state != RankStatus.DEAD:
+                st.state = RankStatus.BROKEN
+            elif r in self.places and not self.places[r].shared_files and not d:
+                st.state = RankStatus.UNKNOWN  # its status file is on its own host
+            out[r] = st
+        return out
+
+    def status(self) -> SessionStatus:
+        """The session as ``%mlxdist status`` shows it; a rank or controller that
+        went away since the last cell marks the session broken here too."""
+        if self._state == READY:
+            self._check_alive()
+        g = self.group
+        return SessionStatus(
+            state=self._state,
+            n=self.n,
+            backend=str(self.backend),
+            launcher=self.launcher,
+            session_id=self.session_id,
+            uptime=self.uptime,
+            broken_reason=self.broken_reason,
+            ranks=dict(self.ranks),
+            alive={r: g.rank_alive(r) for r in self.ranks} if g else {},
+            live=self.rank_states() if self.directory else {},
+        )
+
+    # -- running code ------------------------------------------------------------------
+    def _require(self) -> RankGroup:
+        if self._state == STOPPED or self.group is None or self.client is None:
+            raise NotStartedError("no session is running: start one with %mlxdist start -n N")
+        if self._state == READY:
+            self._check_alive()
+        if self._state == BROKEN:
+            raise SessionBrokenError(
+                f"the MLX group is broken ({self.broken_reason}); "
+                "run %mlxdist restart (or Session.restart()) to get new engines"
+            )
+        return self.group
+
+    def _check_alive(self) -> None:
+        """Mark the session broken when a rank's engine went away between cells
+        (killed from outside, out of memory), or the controller did: its group can no
+        longer form."""
+        g = self.group
+        if g is None:
+            return
+        dead = [r for r in g.ranks if not g.rank_alive(r)]
+        if dead:
+            self._break(
+                ", ".join(
+                    f"rank {r} (pid {g.ranks[r].pid}) exited since the last cell"
+                    + (f" ({how})" if (how := g.rank_exit(r)) else "")
+                    for r in dead
+                )
+            )
+            return
+        problem = g.infrastructure_problem()
+        if problem:
+            self._break(problem)
+
+    def resolve_ranks(self, ranks: Iterable[int] | None) -> list[int]:
+        """Validate a rank subset (``None``: every rank)."""
+        if ranks is None:
+            return list(range(self.n))
+        out = sorted(dict.fromkeys(int(r) for r in ranks))
+        bad = [r for r in out if not 0 <= r < self.n]
+        if bad or not out:
+            raise ValueError(
+                f"--ranks {bad or '(empty)'}: ranks of this session are 0..{self.n - 1}"
+            )
+        return out
+
+    def view(self, ranks: list[int]) -> Any:
+        """ipyparallel's view of these ranks' engines (for what the session does not wrap)."""
+        return self.client[[self.ranks[r].engine_id for r in ranks]]
+
+    def _deadline(self, timeout: Any) -> float | None:
+        """The cell's deadline: the session's for ``DEFAULT``; refuses nonsense."""
+        return self.timeout if timeout is DEFAULT else _check_timeout(timeout)
+
+    def _dispatch(
+        self,
+        targets: list[int],
+        send: Callable[[Any, dict[str, Any]], Any],
+        meta: dict[str, Any],
+        timeout: float | None,
+        on_tick: Callable[[], None] | None = None,
+        on_poll: Callable[[], None] | None = None,
+        wake: threading.Event | None = None,
+    ) -> tuple[dict[int, Any], CellResult, Outcome]:
+        """Send one cell or apply to ``targets`` and supervise it to the end: the one
+        path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says."""
+        group = self._require()
+        self._cell += 1
+        meta = {**meta, "cell": self._cell, "ranks": targets}
+        t0 = time.monotonic()
+        ar = send(self.view(targets), meta)
+        futures = dict(zip(targets, _ipp.futures_of(ar), strict=True))
+        policy = replace(self.policy, timeout=timeout)
+        outcome = Supervisor(
+            group, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
+        ).wait()
+        try:
+            engine_ids = {r: info.engine_id for r, info in group.ranks.items()}
+            result = collect(futures, outcome, self._cell, engine_ids, time.monotonic() - t0)
+            if on_poll is not None:
+                on_poll()  # the output that arrived with the replies
+            self._settle_group(group, result, outcome, futures)
+        except BaseException:
+            # e.g. a second Ctrl-C while the group was being checked: unproven
+            self._break("interrupted before the group could be checked after the cell")
+            raise
+        self._forget(ar)
+        notes = diagnostics.host_notes(group, self.backend, result, outcome)
+        raise_for(result, outcome, timeout, notes)
+        return futures, result, outcome
+
+    def _settle_group(
+        self, group: RankGroup, result: CellResult, outcome: Outcome, futures: dict[int, Any]
+    ) -> None:
+        """After a cell: a rank that died breaks the group; the ranks' ledgers must
+        agree (unmatched messages are received and dropped); after a drain, a stop
+        or a disagreement, the group must prove it is in step, or it is broken."""
+        for f in result.failures:
+            if f.cause == DIED and f.rank in group.procs:
+                f.evalue = group.rank_exit(f.rank) or f.evalue  # ipyparallel said no more
+        gone = [f.rank for f in result.failures if f.cause in (DIED, PAUSED)]
+        if gone and not outcome.broken:
+            outcome.broken = f"rank {', '.join(map(str, gone))} died"
+        if not outcome.broken and not outcome.drained:
+            # (a drain's replays are not in the ledgers: the alignment check decides)
+            ledgers = ledgers_of(futures)
+            if self._ledger_missing(group, ledgers, futures):
+                outcome.needs_alignment = True
+            check = check_ledgers(ledgers, list(futures), self.n)
+            if check.unmatched:
+                why = group.receive_unmatched(check.unmatched, self.policy.drain_timeout)
+                if why:
+                    outcome.broken = f"unreceived messages could not be dropped ({why})"
+            if check.problems:
+                outcome.problem = "\n".join(check.problems)
+                outcome.valid = False
+                outcome.needs_alignment = True
+        if outcome.needs_alignment and not outcome.broken:
+            problem = group.align_ranks(self.policy.align_timeout)
+            if problem:
+                outcome.broken = problem
+                outcome.valid = False
+            else:
+                outcome.summary = (
+                    outcome.summary + "\nThe group was checked afterwards and is in step: "
+                    "the session is still usable."
+                ).strip()
+        if outcome.broken:
+            self._break(outcome.broken)
+
+    def _ledger_missing(
+        self, group: RankGroup, ledgers: dict[int, Any], futures: dict[int, Any]
+    ) -> bool:
+        """A rank that says (status file) it issued collectives in this cell but whose
+        ledger did not arrive: the comparison would be incomplete."""
+        for r in futures:
+            if r in ledgers:
+                continue
+            rec = group.rank_record(r)
+            if rec.get("tracker_cell") == self._cell and rec.get("cell_collectives"):
+                return True
+        return False
+
+    def _break(self, reason: str) -> None:
+        if self._state in (READY, BROKEN):
+            if self._state == READY:
+                self.broken_reason = reason
+            self._state = BROKEN
+
+    def run(
+        self,
+        code: str,
+        *,
+        ranks: Iterable[int] | None = None,
+        timeout: Any = DEFAULT,
+        check_collectives: bool | None = None,
+        on_tick: Callable[[], None] | None = None,
+        on_output: Callable[[OutputEvent], None] | None = None,
+        output_limit: int | None = None,
+    ) -> CellResult:
+        """Run ``code`` as a cell on the ranks (default all) and collect their output.
+
+        One cell runs at a time: a call from another thread waits for the running one.
+
+        Args:
+            code: the cell's source.
+            ranks: run on these ranks only; a collective over the whole group from a
+                subset is refused on the ranks rather than left to hang.
+            timeout: deadline in seconds (a positive number); ``None`` means none;
+                default: the session's.
+            check_collectives: compare op/shape/dtype across ranks before each
+                collective (default: the session's setting).
+            on_tick: called about every 0.25 s while the cell runs (live displays
+                read :meth:`rank_states` from it).
+            on_output: called (in this thread) with every piece of output a rank
+                writes, as it arrives: an :class:`~mlx_nbdist.streams.OutputEvent`
+                (stdout/stderr text in the order written, displays and their
+                updates, clears, the last expression). Each rank's events in order.
+                If it has a ``flush()`` method, that is called on every poll (about
+                every 20 ms), e.g. to show updates a display held back.
+            output_limit: characters of output per rank that reach the notebook
+                (default: the session's ``output_limit``, 1 MiB; 0: no limit); the
+                rest goes to a file in the session directory, and a line says where.
+
+        Raises:
+            CellError: a rank raised, died, or was drained, or the ranks' collectives
+                did not match (``err.result`` holds every rank's output);
+                ``CollectiveTimeout`` at the deadline and ``CellInterrupted`` on
+                interrupt are subclasses.
+            ValueError: a bad ``timeout`` or ``ranks``.
+        """
+        deadline = self._deadline(timeout)
+        check = self.check_collectives if check_collectives is None else check_collectives
+        with self._run_lock:
+            self._require()
+            targets = self.resolve_ranks(ranks)
+            streams = CellStreams(targets)
+            rank_of = {self.ranks[r].engine_id: r for r in targets}
+
+            def send(view: Any, meta: dict[str, Any]) -> Any:
+                # the cell's metadata travels as the request's label: one message per
+                # rank; every output message is handed to ``streams`` as it arrives
+                return _ipp.execute_streaming(
+                    view, code, json.dumps(meta), lambda eid, msg: streams.feed(rank_of[eid], msg)
+                )
+
+            def deliver() -> None:
+                nonlocal on_output
+                if on_output is None:
+                    return
+                try:
+                    for ev in streams.take_events():
+                        on_output(ev)
+                    flush = getattr(on_output, "flush", None)
+                    if flush is not None:
+                        flush()
+                except Exception:  # noqa: BLE001 - a display must never break the cell
+                    on_output = None
+
+            limit = self.output_limit if output_limit is None else int(output_limit)
+            meta = {"mlxdist": 1, "check": bool(check), "output_limit": limit}
+            try:
+                _, result, _ = self._dispatch(
+                    targets, send, meta, deadline, on_tick, deliver, streams.changed
+                )
+            except CellError as e:
+                _attach_items(e.result, streams)
+                raise
+            _attach_items(result, streams)
+            for out in result.ranks.values():
+                for text in out.warnings:
+                    warnings.warn(text, DisplayWarning, stacklevel=2)
+            return result
+
+    def apply(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: Iterable[int] | None = None,
+        timeout: Any = DEFAULT,
+        **kwargs: Any,
+    ) -> dict[int, Any]:
+        """Call ``fn(*args, **kwargs)`` on the ranks; returns ``{rank: value}``.
+
+        ``fn`` is sent by reference when importable, else pickled; inside it the
+        rank's names are available through ``mlx_nbdist.engine.state.current()``.
+        Supervised and serialised like :meth:`run`.
+        """
+        deadline = self._deadline(timeout)
+        with self._run_lock:
+            self._require()
+            targets = self.resolve_ranks(ranks)
+
+            def send(view: Any, meta: dict[str, Any]) -> Any:
+                return view.apply_async(rpc.call, meta, fn, *args, **kwargs)
+
+            futures, _, outcome = self._dispatch(targets, send, {}, deadline)
+            return {
+                r: f.result()
+                for r, f in futures.items()
+                if r not in outcome.failures and not failed(f)
+            }
+
+    def _forget(self, *ars: Any) -> None:
+        """Drop finished messages from the client's caches (they grow without bound)."""
+        try:
+            done = [m for a in ars for m in a.msg_ids if m not in self.client.outstanding]
+            self.client.purge_local_results(jobs=done)
+        except Exception:  # noqa: BLE001 - caching is not correctness (or stop() ran)
+            pass
+
+    def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        """The value of ``name`` in each rank's namespace."""
+        return self.apply(rpc.pull, name, ranks=ranks)
+
+    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
+        """Define names in each rank's namespace."""
+        with self._run_lock:
+            self._require()
+            self.view(self.resolve_ranks(ranks)).push(namespace, block=True)
+
+
+_STATE_KEYS = set(RankState.__dataclass_fields__) - {"rank"}
+
+
+def _rank_status(value: Any) -> RankStatus:
+    """A published state as a :class:`RankStatus` (``starting`` before any)."""
+    try:
+        return RankStatus(value)
+    except ValueError:
+        return RankStatus.STARTING
+
+
+def _attach_items(result: CellResult, streams: CellStreams) -> None:
+    """Each rank's output area, as it streamed, onto the cell's result."""
+    for r, (_, items, _) in streams.snapshot().items():
+        if r in result.ranks:
+            result.ranks[r].items = items
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    """A deadline in seconds: a positive finite number, or ``None`` for none."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _check_n(n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
+    if n > config.MAX_RANKS:
+        raise SetupError(
+            f"-n {n} is more ranks than one machine can sensibly run (max {config.MAX_RANKS})"
+        )
+
+
+def _check_mlx() -> None:
+    """MLX imports here and has distributed support (the first use of ``mlx.core``
+    in the notebook's process)."""
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        raise SetupError(
+            f"this MLX install (mlx {mx.__version__}) has no distributed support; "
+            "install mlx>=0.29 (pip install 'mlx[cpu]' on Linux)"
+        )
+
+
+@atexit.register
+def _stop_all() -> None:
+    for s in list(_LIVE):
+        try:
+            s.stop()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
