@@ -10,8 +10,8 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[mpi,dev,docs]'
-	$(BIN)/python -c "import mlx.core, ipyparallel, mlx_nbdist"
+	$(BIN)/python -m pip install -q -e '.[mpi,dev,docs,lm]'
+	$(BIN)/python -c "import mlx.core, ipyparallel, mlx_lm, mlx_nbdist"
 	@touch $(STAMP)
 
 setup: $(STAMP)

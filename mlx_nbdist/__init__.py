@@ -43,7 +43,10 @@ __all__ = [
     "check",
     "current_session",
     "dashboard",
+    "generate",
+    "load",
     "log_scalars",
+    "lora",
     "progress",
     "gradsync",
     "plan",
@@ -55,12 +58,20 @@ __all__ = [
 ]
 
 
+#: run inside a rank (they load mlx.core and, when called, mlx-lm): imported on use
+_ON_RANKS = {"generate", "load", "lora"}
+
+
 def __getattr__(name: str) -> Any:
-    # lazy: `import mlx_nbdist` (also on the ranks) must not load ipywidgets
+    # lazy: `import mlx_nbdist` (also on the ranks) must not load ipywidgets or mlx.core
     if name == "dashboard":
         from .viz.dashboard import dashboard
 
         return dashboard
+    if name in _ON_RANKS:
+        from .engine import lm
+
+        return getattr(lm, name)
     raise AttributeError(f"module 'mlx_nbdist' has no attribute {name!r}")
 
 

@@ -337,6 +337,8 @@ class ShardMode(TextEnum):
     INPLACE_ALL_TO_SHARDED = "inplace-all-to-sharded"
     #: ``shard_inplace``: sliced like sharded-to-all, but no collective is inserted
     INPLACE_SHARDED_TO_ALL = "inplace-sharded-to-all"
+    #: pipeline stage: the layer is whole on the one rank that runs it, absent elsewhere
+    PIPELINE = "pipeline"
 
 
 
@@ -355,6 +357,48 @@ class PlanRow:
     bytes_per_rank: int
     collectives_per_step: str = ""
     problem: str = ""
+    #: the one rank that holds the parameter (a pipeline stage); ``None``: every rank
+    holder: int | None = None
 
     def __post_init__(self) -> None:
         self.mode = ShardMode(self.mode)  # a plain string (rows read back, tests) too
+
+
+@dataclass
+class HeadRow:
+    """One attention block of a tensor-parallel plan: the heads each rank keeps."""
+
+    path: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    group_size: int
+    problem: str = ""
+    #: the block's attributes that hold the counts (divided by ``shard``)
+    attrs: tuple[str, ...] = ()
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.heads // self.group_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.kv_heads // self.group_size
+
+
+@dataclass
+class StageRow:
+    """One pipeline stage: the layers a rank runs and the parameter bytes it holds.
+
+    ``first``/``last`` are layer indices (inclusive); data flows from the highest
+    rank (the first layers) down to rank 0 (the last layers), as in mlx-lm.
+    """
+
+    rank: int
+    first: int
+    last: int
+    param_bytes: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.last - self.first + 1

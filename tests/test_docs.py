@@ -40,6 +40,7 @@ PAGES = {
     "tutorials/04-training-tp.html": ["value_and_grad", "single-process"],
     "tutorials/05-memory.html": ["fully_shard", "sum_scatter"],
     "tutorials/06-failures.html": ["CollectiveTimeout", "restart"],
+    "tutorials/07-transformers.html": ["pipeline", "heads"],
 }
 #: Tutorials whose stored figures must appear as images on their page.
 FIGURES = {"02-tensor-parallelism": 5, "03-gradient-sync": 3, "04-training-tp": 1, "05-memory": 3}

@@ -49,6 +49,9 @@ EXPECTED = {
     "04": ["all 10 replicated parameters are identical on every rank", "largest loss difference",
            "step 0: loss", "step 79: loss"],
     "05": ["FullyShardedModule", "QuantizedAllToShardedLinear", "sum_scatter not supported"],
+    "07": ["2 + 1 kv", "do not divide by 2 ranks", "has no pipeline(group) method",
+           "layer -> rank: 1 1 0 0", "max |logits_tp - logits_full|", "held by one rank only",
+           "tok/s", "same tokens as the unsharded model: True", "refused: lora"],
     "06": ["Drained", "CollectiveTimeout after", "CellInterrupted after", "engine process died",
            "never received", "is in step", "exit code 3",
            "collective mismatch", "would wait forever"],
@@ -149,8 +152,8 @@ def _figure_cells(nb: object) -> list[object]:
     return [c for c in nb.cells if FIGURE_TAG in c.get("metadata", {}).get("tags", [])]
 
 
-def test_there_are_six_tutorials() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+def test_there_are_seven_tutorials() -> None:
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import rpc
 from ..errors import CellError, ShardingError
-from ..results import GradSample, PlanRow, TensorSlice
+from ..results import GradSample, HeadRow, PlanRow, StageRow, TensorSlice
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -55,18 +55,26 @@ class PlanTable:
     group_size: int
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: per attention block, the heads each rank keeps (tensor parallel)
+    heads: list[HeadRow] = field(default_factory=list)
+    #: per rank, the layers it runs (pipeline)
+    stages: list[StageRow] = field(default_factory=list)
+    #: the model's own method that shards it (``Model.shard``), if any
+    own: str = ""
+
+    def _extras(self) -> dict[str, Any]:
+        return {"problems": self.problems, "warnings": self.warnings, "heads": self.heads,
+                "stages": self.stages, "own": self.own}
 
     def _repr_html_(self) -> str:
         from ..viz import plan_table_html
 
-        return plan_table_html(self.rows, self.group_size, problems=self.problems,
-                               warnings=self.warnings)
+        return plan_table_html(self.rows, self.group_size, **self._extras())
 
     def __str__(self) -> str:
         from ..viz import format_plan
 
-        return format_plan(self.rows, self.group_size, problems=self.problems,
-                           warnings=self.warnings)
+        return format_plan(self.rows, self.group_size, **self._extras())
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -104,7 +112,9 @@ def _plan_table(model: str, sharding: str | dict[str, str | None], segments: int
                   ranks=[0])[0]
     rows = [PlanRow(**{**r, "full_shape": tuple(r["full_shape"]),
                        "local_shape": tuple(r["local_shape"])}) for r in got["rows"]]
-    return PlanTable(rows, n, got["problems"], got["warnings"])
+    return PlanTable(rows, n, got["problems"], got["warnings"],
+                     heads=[HeadRow(**{**h, "attrs": tuple(h["attrs"])}) for h in got["heads"]],
+                     stages=[StageRow(**st) for st in got["stages"]], own=got["own"])
 
 
 def shard(
@@ -134,7 +144,10 @@ def shard(
             + "\n  ".join(table.problems)
         )
     notes = _unwrap(s.apply, rpc.shard_model, model, sharding, segments)
-    table.warnings = sorted({w for text in notes.values() for w in text.splitlines() if w})
+    said = {w for text in notes.values() for w in text.splitlines() if w}
+    # the rank's warnings, less those that repeat a plan warning's reason
+    table.warnings = [*table.warnings, *sorted(w for w in said if not any(
+        w.split(": ", 2)[-1] in p for p in table.warnings))]
     return table
 
 
@@ -153,8 +166,9 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    got = s.receiver.pull(lambda *a: _unwrap(s.apply, *a, lookup=True), name, max_elements,
-                          s.shm_prefix)
+    holders = held_by(name, s)
+    got = s.receiver.pull(lambda *a: _unwrap(s.apply, *a, lookup=True, ranks=holders), name,
+                          max_elements, s.shm_prefix)
     out = []
     for meta, data in got:
         meta = dict(meta, data=data)
@@ -162,6 +176,15 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
         out.append(TensorSlice(**meta))
     return out
+
+
+def held_by(name: str, session: Session | None = None) -> list[int] | None:
+    """The ranks that hold ``name`` when only some do (a pipeline stage's layer), else
+    ``None`` (every rank, or none: then the lookup's own error names close matches)."""
+    s = _session(session)
+    has = s.apply(rpc.holds, name)
+    holders = sorted(r for r, ok in has.items() if ok)
+    return holders if holders and len(holders) < len(has) else None
 
 
 def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,
@@ -181,7 +204,10 @@ def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,
                for p in parts}
         return show_quantized(got["weight"], got["scales"], got.get("biases"))
     got = one_tensor(name, slices(name, max_elements=max_elements, session=s), "show")
-    return show_tensor(got, values=values, title=name)
+    title = name
+    if len(got) < s.n:
+        title += f" (held by rank {', '.join(str(t.rank) for t in got)} only: a pipeline stage)"
+    return show_tensor(got, values=values, title=title)
 
 
 def show_text(name: str, *, max_elements: int | None = 1 << 20,
@@ -265,23 +291,43 @@ def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | Non
 
 @dataclass
 class CheckReport:
-    """Replicated parameters compared across ranks."""
+    """Replicated parameters compared across ranks.
+
+    Attributes:
+        n_params: the replicated parameters every rank holds, which were compared.
+        diverged: ``{path: {rank: |sum - sum on rank 0|}}`` of those that differ.
+        only_on: ``{path: ranks}`` of the parameters only some ranks hold (a pipeline
+            stage's layers): not compared, since no other rank has a copy.
+    """
 
     n_params: int
-    diverged: dict[str, dict[int, float]]  # path -> {rank: |sum - sum on rank 0|}
+    diverged: dict[str, dict[int, float]]
+    only_on: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.diverged
 
+    def _not_compared(self) -> str:
+        if not self.only_on:
+            return ""
+        by_ranks: dict[tuple[int, ...], set[str]] = {}
+        for path, ranks in self.only_on.items():
+            by_ranks.setdefault(tuple(ranks), set()).add(_layer_of(path))
+        where = "; ".join(f"rank {', '.join(map(str, r))}: {', '.join(sorted(layers))}"
+                          for r, layers in sorted(by_ranks.items()))
+        return (f"\n{len(self.only_on)} parameters are held by one rank only (pipeline stages) "
+                f"and were not compared: {where}")
+
     def __str__(self) -> str:
         if self.ok:
-            return f"all {self.n_params} replicated parameters are identical on every rank"
+            return (f"all {self.n_params} replicated parameters that every rank holds are "
+                    f"identical on every rank" + self._not_compared())
         lines = [f"{len(self.diverged)} of {self.n_params} replicated parameters diverged:"]
         for path, ranks in self.diverged.items():
             detail = ", ".join(f"rank {r} (|Δsum| {d:.3g})" for r, d in sorted(ranks.items()))
             lines.append(f"  {path}: {detail} differ from rank 0")
-        return "\n".join(lines)
+        return "\n".join(lines) + self._not_compared()
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -291,15 +337,31 @@ def check(name: str, *, rtol: float = 0.0, session: Session | None = None) -> Ch
     """Checksum every replicated parameter on every rank; report ranks that diverged."""
     s = _session(session)
     sums = _unwrap(s.apply, rpc.checksums, name, own=True)
-    ref = sums[0]
-    diverged: dict[str, dict[int, float]] = {}
+    holders: dict[str, list[int]] = {}
     for rank, table in sorted(sums.items()):
-        for path, (total, sq, _shape) in table.items():
-            r_total, r_sq, _ = ref.get(path, (total, sq, None))
+        for path in table:
+            holders.setdefault(path, []).append(rank)
+    everywhere = [p for p, ranks in holders.items() if len(ranks) == len(sums)]
+    first = min(sums)
+    diverged: dict[str, dict[int, float]] = {}
+    for path in everywhere:
+        r_total, r_sq, _ = sums[first][path]
+        for rank, table in sorted(sums.items()):
+            total, sq, _shape = table[path]
             scale = max(abs(r_sq), 1e-30) ** 0.5
             if abs(total - r_total) > rtol * scale or abs(sq - r_sq) > rtol * abs(r_sq):
                 diverged.setdefault(path, {})[rank] = abs(total - r_total)
-    return CheckReport(len(ref), diverged)
+    only_on = {p: ranks for p, ranks in holders.items() if len(ranks) < len(sums)}
+    return CheckReport(len(everywhere), diverged, only_on)
+
+
+def _layer_of(path: str) -> str:
+    """``model.layers.3`` for any parameter under it; else the path's owner."""
+    parts = path.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        return ".".join(parts[: i + 2])
+    return path.rsplit(".", 1)[0]
 
 
 def _unwrap(apply: Any, *args: Any, own: bool = False, lookup: bool = False,

@@ -244,7 +244,10 @@ def _prepare_shell(mx: Any, nn: Any, st: state.EngineState) -> None:
     ip = get_ipython()
     if ip is None:  # plain process (tests of the engine code)
         return
-    ip.user_ns.update(mx=mx, nn=nn, world=st.world, rank=st.rank, size=st.size)
+    import mlx_nbdist  # its in-cell helpers: shard, plan, generate, load, lora, progress
+
+    ip.user_ns.update(mx=mx, nn=nn, world=st.world, rank=st.rank, size=st.size,
+                      mlx_nbdist=mlx_nbdist)
     try:
         ip.run_line_magic("matplotlib", "inline")
     except Exception:  # noqa: BLE001 - figures are optional

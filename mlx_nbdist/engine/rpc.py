@@ -135,6 +135,9 @@ def plan_rows(name: str, sharding: Any, group_size: int, segments: int,
         "rows": [asdict(r) for r in p.rows],
         "problems": list(p.problems),
         "warnings": list(p.warnings),
+        "heads": [asdict(h) for h in p.heads],
+        "stages": [asdict(st) for st in p.stages],
+        "own": p.own,
     }
 
 
@@ -206,6 +209,15 @@ def quantized_parts(expr: str) -> list[str]:
     mod = _child(obj, rest) if rest else obj
     names = [k for k in ("weight", "scales", "biases") if k in mod]
     return [f"{expr}.{k}" for k in names]
+
+
+def holds(expr: str) -> bool:
+    """Whether this rank holds ``expr`` (a pipeline stage holds only its own layers)."""
+    try:
+        obj, rest = _resolve(expr)
+        return (_child(obj, rest) if rest else obj) is not None
+    except (NameError, AttributeError, LookupError, ValueError, TypeError):
+        return False
 
 
 def is_quantized_layer(expr: str) -> bool:

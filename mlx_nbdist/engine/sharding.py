@@ -17,10 +17,18 @@ Two public functions run inside a rank:
 ``"all-to-sharded"`` / ``"sharded-to-all"``
     every ``Linear``/``QuantizedLinear`` becomes that layer type.
 ``"megatron"``
-    consecutive ``Linear`` layers, in the order they are defined in the model
-    (attribute order, then list order), alternate all-to-sharded / sharded-to-all, so
-    each pair costs one ``all_sum`` in the forward and one in the backward. Layers
-    that run in parallel (attention's q/k/v) need a mapping instead.
+    on a transformer, by role (:mod:`mlx_nbdist.engine.transformer`): q/k/v and
+    gate/up all-to-sharded, o and down sharded-to-all, the attention's head counts
+    divided by the number of ranks, embeddings and ``lm_head`` replicated. A model
+    with its own ``shard(group)`` (24 mlx-lm architectures) is sharded by it, and
+    planned by dry-running it on a copy of the module tree. A block the rules cannot
+    shard correctly (a norm over all heads' features) is refused, naming it. On a
+    model with no transformer block, consecutive ``Linear`` layers in definition order
+    alternate all-to-sharded / sharded-to-all (right for a chain such as
+    ``nn.Sequential``; elsewhere the plan says what it assumed).
+``"pipeline"``
+    the model's own ``pipeline(group)`` (mlx-lm's ``model.model.pipeline``): each
+    rank keeps the layers it runs, rank 0 the last ones; the plan lists the stages.
 ``"fsdp"``
     the whole model is wrapped with ``fully_shard`` (every parameter split on axis 0,
     all_gather in the forward, sum_scatter in the backward). On a backend without
@@ -47,8 +55,10 @@ layers sharded by hand are described from their class (see :func:`param_specs`).
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import warnings
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -61,28 +71,34 @@ from mlx.nn.layers import distributed as mxd
 from mlx.utils import tree_flatten
 
 from ..errors import ShardingError
-from ..results import PlanRow, ShardMode
-from . import _mlx
+from ..results import HeadRow, PlanRow, ShardMode, StageRow
+from . import _mlx, transformer
 from .dtypes import dtype_name, nbytes
 
 __all__ = [
     "FSDP_NO_GRADIENTS",
     "MEGATRON",
+    "PIPELINE",
     "NO_SUM_SCATTER",
+    "PIPELINE_NO_GRADIENTS",
     "RULES",
     "STRATEGIES",
     "ModeRule",
     "ParamSpec",
     "ShardMode",
     "ShardPlan",
+    "verify_identical",
     "has_sum_scatter",
     "param_specs",
     "plan",
     "shard",
 ]
 
-#: the strategy that alternates all-to-sharded and sharded-to-all layers
+#: tensor parallelism: by role in a transformer (the model's own ``shard`` when it has
+#: one), else alternating all-to-sharded and sharded-to-all layers of a chain
 MEGATRON = "megatron"
+#: pipeline parallelism: each rank runs some of the layers (the model's ``pipeline``)
+PIPELINE = ShardMode.PIPELINE.value
 #: megatron: the mode of the next plain linear layer after a layer of each mode
 _MEGATRON_NEXT = {
     ShardMode.ALL_TO_SHARDED: ShardMode.SHARDED_TO_ALL,
@@ -110,6 +126,13 @@ FSDP_NO_GRADIENTS = (
     "whole on every rank and average the gradients (data parallel: "
     "nn.average_gradients(grads, group=world)), or use tensor parallelism "
     "(mlx_nbdist.shard(model, 'megatron')); or use a backend with sum_scatter (nccl)."
+)
+PIPELINE_NO_GRADIENTS = (
+    "mlx_nbdist: cannot compute gradients through a pipelined model: MLX's send and recv, "
+    "which carry the hidden state from one stage to the next, have no gradient (vjp), so "
+    "mlx-lm's pipeline(group) is for inference (forward, generation). To train, use tensor "
+    "parallelism (mlx_nbdist.shard(model, 'megatron')) or data parallelism (the whole "
+    "model on every rank, nn.average_gradients)."
 )
 NO_SUM_SCATTER = (
     "this MLX distributed backend does not implement sum_scatter (MLX 0.32's ring and mpi "
@@ -232,6 +255,13 @@ RULES: dict[ShardMode, ModeRule] = {
         collectives=_no_collective,
         warning=_INPLACE_WARNING,
     ),
+    ShardMode.PIPELINE: ModeRule(
+        axis=_whole,
+        via="pipeline",
+        convert=lambda model, segments, group: _pipeline(model, group),
+        collectives=lambda m: "fwd recv from the stage before, send to the next; all_gather",
+        whole_model=True,
+    ),
     ShardMode.REPLICATED: ModeRule(axis=_whole, strategy=False),
 }
 #: the names :func:`plan` and :func:`shard` take as the sharding of a whole model
@@ -325,6 +355,9 @@ class ShardPlan:
         warnings: layouts that will run but whose outputs are probably not what the
             user expects (inplace sharding, sharded activations leaking out…).
         layer_modes: mode chosen for each layer that :func:`shard` will convert.
+        heads: per attention block, the heads each rank keeps (tensor parallel).
+        stages: per rank, the layers it runs (pipeline).
+        own: the model's own method :func:`shard` calls (``Model.shard``), or ``""``.
     """
 
     sharding: str | dict[str, str | None]
@@ -334,6 +367,9 @@ class ShardPlan:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     layer_modes: dict[str, ShardMode] = field(default_factory=dict)
+    heads: list[HeadRow] = field(default_factory=list)
+    stages: list[StageRow] = field(default_factory=list)
+    own: str = ""
 
     @property
     def ok(self) -> bool:
@@ -342,7 +378,9 @@ class ShardPlan:
 
     @property
     def bytes_per_rank(self) -> int:
-        """Parameter bytes each rank holds after sharding."""
+        """Parameter bytes each rank holds after sharding (pipelined: the largest stage)."""
+        if self.stages:
+            return max(s.param_bytes for s in self.stages)
         return sum(r.bytes_per_rank for r in self.rows)
 
     def check(self) -> ShardPlan:
@@ -375,7 +413,8 @@ class ShardPlan:
             + (f", segments={self.segments}" if self.segments != 1 else "")
             + f": {len(self.rows)} parameters, {self.bytes_per_rank:,} bytes per rank",
             format_plan(self.rows, self.group_size, problems=self.problems,
-                        warnings=self.warnings),
+                        warnings=self.warnings, heads=self.heads, stages=self.stages,
+                        own=self.own),
         ]
         if any(r.layer.startswith("Quantized") for r in self.rows):
             lines.append("quantized weights are packed (uint32 holds 32/bits values); "
@@ -400,23 +439,24 @@ def _join(prefix: str, key: Any) -> str:
 
 def _walk(model: nn.Module) -> list[_Node]:
     """Every module in definition order (pre-order; attributes, then list items)."""
+    # an explicit stack, not a recursive closure: a closure that calls itself is a
+    # reference cycle, which kept the walked modules (and through them, lazily loaded
+    # weights) alive until the next garbage collection
     nodes: list[_Node] = []
-
-    def visit(value: Any, path: str, parent: Any, key: Any) -> None:
+    stack: list[tuple[Any, str, Any, Any]] = [(model, "", None, None)]
+    while stack:
+        value, path, parent, key = stack.pop()
         if isinstance(value, nn.Module):
             nodes.append(_Node(path, value, parent, key))
-            items = value.items()
+            items = list(value.items())
         elif isinstance(value, dict):
-            items = value.items()
+            items = list(value.items())
         elif isinstance(value, list):
-            items = enumerate(value)
+            items = list(enumerate(value))
         else:
-            return
-        for k, v in items:
-            if isinstance(v, (dict, list)):
-                visit(v, _join(path, k), value, k)
-
-    visit(model, "", None, None)
+            continue
+        stack.extend((v, _join(path, k), value, k) for k, v in reversed(items)
+                     if isinstance(v, (dict, list)))
     return nodes
 
 
@@ -596,21 +636,261 @@ def plan(
     result = ShardPlan(sharding=key, group_size=group_size, segments=segments)
 
     mode = None if isinstance(sharding, Mapping) else _mode(sharding)
+    if mode == ShardMode.PIPELINE:
+        _plan_pipeline(model, nodes, by_path, result)
+        return result
     if isinstance(model, mxd.FullyShardedModule) or (mode is not None and RULES[mode].whole_model):
         _plan_fsdp(model, nodes, by_path, result)
         return result
+    blocks = transformer.find_blocks([(n.path, n.module) for n in nodes],
+                                     sharded=_tensor_parallel)
     if isinstance(sharding, Mapping):
         modes = _resolve_mapping(sharding, nodes)
+    elif sharding == MEGATRON and blocks:
+        if _own_shard(model) and not any(_current_mode(n.module) for n in nodes):
+            _plan_own_shard(model, nodes, by_path, blocks, result)
+            return result
+        modes = _resolve_roles(blocks, result)
     elif sharding == MEGATRON or (mode is not None and RULES[mode].strategy):
         modes = _resolve_strategy(mode or MEGATRON, nodes)
+        if mode is None:
+            _note_order_pairing(nodes, modes, result)
     else:
         raise ShardingError(
             f"unknown sharding {sharding!r}; use one of {', '.join(STRATEGIES)} "
             "or a mapping {layer path or glob: mode}")
     result.layer_modes = {p: m for p, m in modes.items() if RULES[m].convert is not None}
+    _plan_heads(blocks, result)
     _plan_layers(nodes, by_path, modes, result)
-    _flag_flow(nodes, by_path, modes, result)
+    _flag_flow(nodes, by_path, modes, result, blocks)
     return result
+
+
+def _tensor_parallel(module: nn.Module) -> bool:
+    return _current_mode(module) is not None
+
+
+def tensor_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` is a tensor-parallel (or ``shard_inplace``-sliced) layer."""
+    return _tensor_parallel(module)
+
+
+def _own_shard(model: nn.Module) -> str:
+    """``"Model.shard"`` when the model defines its own ``shard(group)`` (mlx-lm's do)."""
+    method = getattr(type(model), "shard", None)
+    return f"{type(model).__name__}.shard" if callable(method) else ""
+
+
+def _own_pipeline(model: nn.Module) -> nn.Module | None:
+    """The module whose ``pipeline(group)`` splits the layers (mlx-lm: ``model.model``)."""
+    for candidate in (getattr(model, "model", None), model):
+        if isinstance(candidate, nn.Module) and callable(
+                getattr(type(candidate), "pipeline", None)):
+            return candidate
+    return None
+
+
+def _resolve_roles(blocks: list[transformer.Block], result: ShardPlan) -> dict[str, ShardMode]:
+    """megatron on a transformer: every block's projections by role, heads divided."""
+    modes: dict[str, ShardMode] = {}
+    for block in blocks:
+        if block.refusal:
+            result.problems.append(
+                f"megatron cannot shard {block.path} correctly: {block.refusal}")
+        else:
+            modes.update(block.modes)
+    return modes
+
+
+def _plan_heads(blocks: list[transformer.Block], result: ShardPlan) -> None:
+    """Attention blocks whose projections this plan shards by role (megatron, or a
+    mapping that names them so): their heads are divided, so they must divide."""
+    for block in blocks:
+        if block.kind != transformer.BlockKind.ATTENTION or block.refusal or any(
+                result.layer_modes.get(p) != m for p, m in block.modes.items()):
+            continue
+        row = block.head_row(result.group_size)
+        result.heads.append(row)
+        if row.problem:
+            result.problems.append(row.problem)
+
+
+def _note_order_pairing(nodes: list[_Node], modes: dict[str, ShardMode],
+                        result: ShardPlan) -> None:
+    """megatron on a model that is not a transformer pairs layers in definition order:
+    provably right for a chain (``nn.Sequential``), else say what was assumed."""
+    unchained = [p for p in modes if not _in_sequential(p, nodes)]
+    if unchained:
+        pairs = ", ".join(f"{p} {m}" for p, m in modes.items())
+        result.warnings.append(
+            f"megatron found no transformer block (attention with q/k/v/o projections, an MLP "
+            f"with gate/up/down or fc1/fc2), so it paired the Linear layers in the order they "
+            f"are defined ({pairs}): right only if the forward calls them one after the other "
+            "in that order; for any other flow give a mapping {layer path: mode}")
+
+
+def _in_sequential(path: str, nodes: list[_Node]) -> bool:
+    parent = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
+    by_path = {n.path: n for n in nodes}
+    owner = by_path.get(parent)
+    return owner is not None and isinstance(owner.module, nn.Sequential) and (
+        path.split(".")[-2] == "layers")
+
+
+class _PlanningGroup:
+    """Stands in for a group of ``size`` ranks while a model's own ``shard(group)`` or
+    ``pipeline(group)`` is dry-run on a copy of its module tree: MLX's layer
+    constructors and mlx-lm's methods only ask ``size()`` and ``rank()`` then (the
+    sliced arrays stay lazy and are never evaluated)."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _structure_copy(value: Any) -> Any:
+    """A copy of a module tree whose modules, lists and dicts are new but whose arrays
+    are the same (nothing is copied or evaluated)."""
+    if isinstance(value, nn.Module):
+        new = copy.copy(value)
+        for key, child in value.items():
+            if isinstance(child, (nn.Module, list, dict)):
+                new[key] = _structure_copy(child)
+        return new
+    if isinstance(value, list):
+        return [_structure_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _structure_copy(v) for k, v in value.items()}
+    return value
+
+
+def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _Node],
+                    blocks: list[transformer.Block], result: ShardPlan) -> None:
+    """megatron on a model with its own ``shard(group)``: the plan is that method,
+    dry-run on a copy of the module tree, so it shows exactly what :func:`shard` does."""
+    n_ranks = result.group_size
+    result.own = _own_shard(model)
+    result.heads = [b.head_row(n_ranks) for b in blocks
+                    if b.kind == transformer.BlockKind.ATTENTION]
+    result.problems += [h.problem for h in result.heads if h.problem]
+    if result.segments != 1:
+        result.problems.append(f"{result.own}() takes no segments")
+    sharded = None
+    if not result.problems:
+        sharded = _structure_copy(model)
+        try:
+            sharded.shard(_PlanningGroup(n_ranks))
+        except Exception as e:  # noqa: BLE001 - the model's own code: report what it said
+            result.problems.append(
+                f"{result.own}() cannot shard this model across {n_ranks} ranks: "
+                f"{type(e).__name__}: {e}")
+            sharded = None
+    if sharded is None:  # show what the roles would do, with the problems above
+        modes = {p: m for b in blocks if not b.refusal for p, m in b.modes.items()}
+        _plan_layers(nodes, by_path, modes, result)
+        return
+    after = _walk(sharded)
+    after_by_path = {n.path: n for n in after}
+    for node in nodes:
+        new = after_by_path.get(node.path)
+        for path, arr in _direct_params(node, by_path):
+            result.rows.append(_own_row(path, arr, node, new, n_ranks))
+            if new is not None and type(new.module) is not type(node.module):
+                mode = _current_mode(new.module)
+                if mode is not None:
+                    result.layer_modes[node.path] = mode
+    after_blocks = transformer.find_blocks([(n.path, n.module) for n in after],
+                                           sharded=_tensor_parallel)
+    layers = {n.path: n.module for n in after}
+    result.warnings += _block_warnings(after_blocks, layers, {}, n_ranks)
+
+
+def _own_row(path: str, arr: mx.array, node: _Node, new: _Node | None, n_ranks: int
+             ) -> PlanRow:
+    """A plan row read from the module before and after the model's own ``shard``."""
+    name = path[len(node.path) + 1:] if node.path else path
+    full = tuple(arr.shape)
+    local_arr = dict(tree_flatten(new.module.parameters())).get(name) if new else None
+    local = tuple(local_arr.shape) if local_arr is not None else full
+    axis = next((i for i, (a, b) in enumerate(zip(full, local, strict=True)) if a != b), None)
+    module = new.module if new is not None else node.module
+    mode = _current_mode(module) or ShardMode.REPLICATED
+    label = type(node.module).__name__
+    if type(module) is not type(node.module):
+        label += f" -> {type(module).__name__}"
+    elif axis is not None:
+        label += " (sliced in place by the model's shard)"
+    collective = ""
+    if RULES[mode].layers and name == "weight":
+        collective = _layer_collective(module, mode)
+    return PlanRow(path=path, layer=label, mode=mode, full_shape=full, local_shape=local,
+                   axis=axis, dtype=dtype_name(arr.dtype),
+                   bytes_per_rank=nbytes(local, arr.dtype), collectives_per_step=collective)
+
+
+def _plan_pipeline(model: nn.Module, nodes: list[_Node], by_path: dict[str, _Node],
+                   result: ShardPlan) -> None:
+    """pipeline: which rank runs which layers, from the model's own ``pipeline(group)``
+    dry-run on a copy for every rank (mlx-lm gives rank 0 the last layers)."""
+    n_ranks = result.group_size
+    inner = _own_pipeline(model)
+    if inner is None:
+        has = [n for n in ("qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe", "ministral3")]
+        result.problems.append(
+            f"{type(model).__module__}.{type(model).__name__} has no pipeline(group) method "
+            f"(mlx-lm gives one to {', '.join(has)} and a few more, not to every "
+            "architecture): use megatron (tensor parallel) for this model")
+        return
+    if result.segments != 1:
+        result.problems.append("pipeline takes no segments")
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, list) or any(x is None for x in layers):
+        result.problems.append(f"{type(inner).__name__}.layers is not a full list of layers "
+                               "(already pipelined?)")
+        return
+    if len(layers) < n_ranks:
+        result.problems.append(f"{len(layers)} layers cannot be split over {n_ranks} ranks "
+                               "(each pipeline stage needs at least one layer)")
+        return
+    prefix = next(n.path for n in nodes if n.module is inner)
+    spans = {}
+    for r in range(n_ranks):
+        probe = _structure_copy(inner)
+        try:
+            probe.pipeline(_PlanningGroup(n_ranks, r))
+        except Exception as e:  # noqa: BLE001 - the model's own code: report what it said
+            result.problems.append(f"{type(inner).__name__}.pipeline() fails for rank {r} of "
+                                   f"{n_ranks}: {type(e).__name__}: {e}")
+            return
+        spans[r] = (int(probe.start_idx), int(probe.end_idx if probe.end_idx is not None
+                                                  else len(layers)) - 1)
+    holder_of = {i: r for r, (a, b) in spans.items() for i in range(a, b + 1)}
+    layer_prefix = _join(prefix, "layers") + "."
+    shared = 0
+    per_rank = dict.fromkeys(spans, 0)
+    for node in nodes:
+        for path, arr in _direct_params(node, by_path):
+            full = tuple(arr.shape)
+            size = nbytes(full, arr.dtype)
+            holder = None
+            if path.startswith(layer_prefix):
+                holder = holder_of[int(path[len(layer_prefix):].split(".", 1)[0])]
+                per_rank[holder] += size
+            else:
+                shared += size
+            result.rows.append(PlanRow(
+                path=path, layer=type(node.module).__name__,
+                mode=ShardMode.PIPELINE if holder is not None else ShardMode.REPLICATED,
+                full_shape=full, local_shape=full, axis=None, dtype=dtype_name(arr.dtype),
+                bytes_per_rank=size, holder=holder))
+    result.stages = [StageRow(rank=r, first=a, last=b, param_bytes=per_rank[r] + shared)
+                     for r, (a, b) in sorted(spans.items())]
+    result.layer_modes = {prefix: ShardMode.PIPELINE}
 
 
 def _resolve_strategy(sharding: str, nodes: list[_Node]) -> dict[str, ShardMode]:
@@ -850,18 +1130,27 @@ def _plan_fsdp(
 
 def _flag_flow(
     nodes: list[_Node], by_path: dict[str, _Node], modes: dict[str, ShardMode],
-    result: ShardPlan,
+    result: ShardPlan, blocks: list[transformer.Block] = (),  # type: ignore[assignment]
 ) -> None:
-    """Warn where, in definition order, sharded activations meet the wrong layer.
+    """Warn where sharded activations meet the wrong layer.
 
-    The check assumes the forward calls the layers in the order they are defined,
-    which holds for ``nn.Sequential`` and most MLPs but not for parallel branches.
+    A transformer block (attention, MLP) is checked as the unit it is: its input
+    projections run side by side on the block's input and its output projection
+    takes their results, so they must be all-to-sharded and sharded-to-all together
+    (or all replicated), with the attention's head counts matching its layers.
+    Outside the blocks the check assumes the forward calls the layers in the order
+    they are defined, which holds for ``nn.Sequential`` and most MLPs.
     """
     outputs = {p: RULES[m].output for p, m in modes.items()}
     for node in nodes:
         current = _current_mode(node.module)
         if current is not None and not outputs.get(node.path):
             outputs[node.path] = RULES[current].output
+    planned = {p: m for p, m in modes.items()}
+    result.warnings += _block_warnings(blocks, {n.path: n.module for n in nodes}, planned,
+                                       result.group_size)
+    inside = tuple(b.path + "." for b in blocks)
+    nodes = [n for n in nodes if not (inside and n.path.startswith(inside))]
     sharded_by: str | None = None  # the all-to-sharded layer whose output is sharded
     last_full = "the model input"
     for node in nodes:
@@ -893,6 +1182,30 @@ def _flag_flow(
         result.warnings.append(
             f"the last sharded layer {sharded_by} is all-to-sharded: the model output "
             "stays split across ranks (each rank holds a slice of the features)")
+
+
+def _block_warnings(blocks: list[transformer.Block], layers: dict[str, nn.Module],
+                    planned: dict[str, ShardMode], n_ranks: int) -> list[str]:
+    """What is wrong with each block's layout (planned modes, else the layers' own)."""
+    out = []
+    for block in blocks:
+        modes = {p: planned.get(p) or _current_mode(layers[p]) or ShardMode.REPLICATED
+                 for p in block.modes}
+        if all(m == ShardMode.REPLICATED for m in modes.values()):
+            continue
+        right = all(m == block.modes[p] for p, m in modes.items())
+        if not right:
+            got = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in modes.items())
+            want = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in block.modes.items())
+            out.append(f"{block.path} ({block.kind} block) has {got}: its outputs will not "
+                       f"equal the unsharded model's; tensor parallelism needs {want}")
+            continue
+        if block.kind == transformer.BlockKind.ATTENTION and not any(
+                p in planned for p in block.modes):
+            problem = transformer.head_problems(block, layers)
+            if problem:
+                out.append(problem)
+    return out
 
 
 # --------------------------------------------------------------------------- applying
@@ -936,9 +1249,12 @@ def shard(
     n_ranks = group.size()
     the_plan = plan(model, sharding, group_size=n_ranks, segments=segments).check()
     if check_identical and n_ranks > 1:
-        _check_identical(model, group)
+        verify_identical(model, group)
 
     if isinstance(model, mxd.FullyShardedModule):
+        return model
+    if the_plan.own:
+        model.shard(group)
         return model
     mode = None if isinstance(sharding, Mapping) else _mode(sharding)
     if mode is not None and RULES[mode].whole_model:
@@ -962,7 +1278,49 @@ def shard(
             root = new
         else:
             node.parent[node.key] = new
+    for row in the_plan.heads:
+        transformer.divide_heads(by_path[row.path].module, row.attrs, n_ranks)
     return root
+
+
+def _pipeline(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """The model's own ``pipeline(group)``: this rank keeps only the layers it runs."""
+    inner = _own_pipeline(model)
+    assert inner is not None  # the plan refused models without one
+    inner.pipeline(group)
+    if group.size() > 1:
+        _block_pipeline_backward(inner)
+    return model
+
+
+def _block_pipeline_backward(inner: nn.Module) -> None:
+    """Make a gradient through the pipelined ``inner`` fail at once on every rank.
+
+    MLX's ``send`` has no vjp: without this, the sending stages raise "[Primitive::vjp]
+    Not implemented for Send" while the last stage goes on into its collectives and
+    waits for them forever. The module's class is swapped for a subclass whose output
+    passes through an identity whose vjp raises :data:`PIPELINE_NO_GRADIENTS` while the
+    gradient graph is built, on every rank alike, before anything is evaluated; the
+    parameter paths and the forward stay as they are.
+    """
+
+    @mx.custom_function
+    def guard(h: mx.array) -> mx.array:
+        return h
+
+    @guard.vjp
+    def guard_vjp(primals: Any, cotangent: Any, output: Any) -> Any:
+        raise RuntimeError(PIPELINE_NO_GRADIENTS)
+
+    base = type(inner)
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        return guard(base.__call__(self, *args, **kwargs))
+
+    inner.__class__ = type(base.__name__, (base,), {
+        "__call__": __call__, "__module__": base.__module__,
+        "__doc__": f"{base.__name__}, pipelined by mlx_nbdist (no gradients: see "
+                   "mlx_nbdist.engine.sharding.PIPELINE_NO_GRADIENTS)"})
 
 
 def _fully_shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
@@ -981,11 +1339,28 @@ def _fully_shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     return wrapped
 
 
-def _check_identical(model: nn.Module, group: mx.distributed.Group) -> None:
-    """Raise on every rank when a replicated parameter differs from rank 0's."""
+def verify_identical(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Raise on every rank when a replicated parameter differs from rank 0's.
+
+    Compares the parameters every rank holds whole (a pipeline stage's own layers are
+    left out). A collective: every rank calls it. The ranks first compare how many
+    parameters they compare and their names, so models of different shapes give a
+    clear error instead of a collective of mismatched sizes.
+    """
     specs = param_specs(model, group_size=group.size())
     params = dict(tree_flatten(model.parameters()))
-    paths = [p for p, spec in specs.items() if spec.axis is None]
+    staged = _staged_prefix(model)
+    paths = [p for p, spec in specs.items()
+             if spec.axis is None and not (staged and p.startswith(staged))]
+    names = zlib.crc32("\n".join(f"{p}{tuple(params[p].shape)}" for p in paths).encode())
+    shape = mx.array([len(paths), names & 0xFFFF, names >> 16], dtype=mx.int32)[None]
+    table = np.array(mx.distributed.all_gather(shape, group=group))
+    differ = [r for r in range(len(table)) if (table[r] != table[0]).any()]
+    if differ:
+        raise ShardingError(
+            f"ranks {differ} hold other parameters than rank 0 ({int(table[differ[0]][0])} "
+            f"replicated parameters vs {int(table[0][0])}, or other names or shapes): every "
+            "rank must build the same model")
     if not paths:
         return
     sums = []
@@ -995,8 +1370,8 @@ def _check_identical(model: nn.Module, group: mx.distributed.Group) -> None:
     gathered = mx.distributed.all_gather(mx.stack(sums)[None], group=group)
     table = np.array(gathered, dtype=np.float64)  # (ranks, 2 * len(paths))
     tol = 1e-5 * np.maximum(np.abs(table[0]), 1.0)
-    differ = np.abs(table - table[0]) > tol
-    bad = [(p, sorted(int(r) for r in np.nonzero(differ[:, 2 * i] | differ[:, 2 * i + 1])[0]))
+    bad_rows = np.abs(table - table[0]) > tol
+    bad = [(p, sorted(int(r) for r in np.nonzero(bad_rows[:, 2 * i] | bad_rows[:, 2 * i + 1])[0]))
            for i, p in enumerate(paths)]
     bad = [(p, ranks) for p, ranks in bad if ranks]
     if bad:
@@ -1005,6 +1380,15 @@ def _check_identical(model: nn.Module, group: mx.distributed.Group) -> None:
             f"{len(bad)} parameter(s) are not identical on every rank, so sharding would "
             "mix different models; call mx.random.seed(same value) on every rank before "
             f"building the model (or load the same weights):\n  - {listed}")
+
+
+def _staged_prefix(model: nn.Module) -> str:
+    """``model.layers.`` when the model is pipelined (each rank holds other layers)."""
+    inner = _own_pipeline(model)
+    if inner is None or getattr(inner, "pipeline_size", 1) <= 1:
+        return ""
+    path = next(n.path for n in _walk(model) if n.module is inner)
+    return _join(path, "layers") + "."
 
 
 @lru_cache

@@ -116,8 +116,11 @@ def model_html(mv: dict[str, Any], n: int) -> str:
     for path, row in mv["params"].items():
         shapes = [row["shapes"].get(r) for r in ranks]
         differ = len({s for s in shapes if s is not None}) > 1
-        style = ' style="color:#1f77b4"' if differ or "Sharded" in row["layer"] else ""
-        cells = "".join(f"<td>{_shape(s)}</td>" for s in shapes)
+        staged = None in shapes and any(s is not None for s in shapes)  # a pipeline stage's
+        style = (' style="color:#1f77b4"' if differ or staged or "Sharded" in row["layer"]
+                 else "")
+        cells = "".join(f"<td>{_shape(s, r in mv['totals'] and staged)}</td>"
+                        for r, s in zip(ranks, shapes, strict=True))
         rows.append(
             f"<tr{style}><td>{html.escape(path)}</td><td>{html.escape(row['layer'])}</td>"
             f"<td>{html.escape(row['dtype'])}</td>{cells}</tr>"
@@ -131,7 +134,8 @@ def model_html(mv: dict[str, Any], n: int) -> str:
     more = f" (first {len(mv['params'])} of {count})" if count > len(mv["params"]) else ""
     return (
         f"<div><b>model {name}</b>{more}: local shapes per rank "
-        "(blue: sharded or different across ranks)</div>"
+        "(blue: sharded, different across ranks, or held by some ranks only: a "
+        "pipeline stage)</div>"
         '<table style="font-size:12px; border-collapse:collapse">'
         f"<tr><th>parameter</th><th>layer</th><th>dtype</th>{head}</tr>"
         + "".join(rows)
@@ -139,8 +143,11 @@ def model_html(mv: dict[str, Any], n: int) -> str:
     )
 
 
-def _shape(s: tuple[int, ...] | None) -> str:
-    return "-" if s is None else "(" + ", ".join(map(str, s)) + ")"
+def _shape(s: tuple[int, ...] | None, elsewhere: bool = False) -> str:
+    """A local shape; ``elsewhere``: the rank lacks a parameter other ranks hold."""
+    if s is None:
+        return "on another rank" if elsewhere else "-"
+    return "(" + ", ".join(map(str, s)) + ")"
 
 
 # --------------------------------------------------------------------------- dashboard

@@ -328,7 +328,8 @@ def title_lines(
     """Heading lines for a tensor figure and whether something is wrong."""
     lines = [title or f"{layout.name}  {layout.full_shape} {layout.dtype}"]
     if layout.replicated:
-        lines.append(f"replicated on ranks {rank_span(layout.ranks)} (each holds the whole tensor)")
+        lines.append(f"whole on rank {layout.ranks[0]} only" if len(layout.ranks) == 1 else
+                     f"replicated on ranks {rank_span(layout.ranks)} (each holds the whole tensor)")
     else:
         mode = f"sharded on axis {layout.axis} over {len(layout.ranks)} ranks"
         if layout.segments > 1:

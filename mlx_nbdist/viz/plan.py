@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlx_nbdist.results import PlanRow
-from mlx_nbdist.viz.common import WARN_COLOR, human_bytes, text_table
+from mlx_nbdist.results import HeadRow, PlanRow, StageRow
+from mlx_nbdist.viz.common import WARN_COLOR, human_bytes, rank_hex, text_table
 
 __all__ = ["COLUMNS", "PlanColumn", "PlanView", "format_plan", "plan_table_html", "plan_view"]
 
@@ -34,7 +34,8 @@ class PlanColumn:
 COLUMNS: tuple[PlanColumn, ...] = (
     PlanColumn("layer", "l", lambda r: r.layer),
     PlanColumn("path", "l", lambda r: r.path),
-    PlanColumn("mode", "l", lambda r: str(r.mode)),
+    PlanColumn("mode", "l",
+               lambda r: str(r.mode) + (f" (rank {r.holder})" if r.holder is not None else "")),
     PlanColumn("full shape", "l", lambda r: str(tuple(r.full_shape))),
     PlanColumn("per-rank shape", "l", lambda r: str(tuple(r.local_shape))),
     PlanColumn("dtype", "l", lambda r: r.dtype),
@@ -44,7 +45,7 @@ COLUMNS: tuple[PlanColumn, ...] = (
 )
 
 _PROBLEM_STYLE = f"color:{WARN_COLOR};background:#fde7e9;font-weight:bold"
-_NOTE_COLORS = {"problem": "#b00", "warning": "#a60"}
+_NOTE_COLORS = {"note": "#333", "problem": "#b00", "warning": "#a60"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class PlanView:
     flagged: list[bool]
     footer: str
     notes: list[tuple[str, str]]
+    heads: list[list[str]]
+    stages: list[list[str]]
+    #: layer index -> the rank that runs it (pipeline), for the layer->rank picture
+    layer_ranks: list[int]
 
 
 def plan_view(
@@ -70,6 +75,9 @@ def plan_view(
     group_size: int,
     problems: Sequence[str] = (),
     warnings: Sequence[str] = (),
+    heads: Sequence[HeadRow] = (),
+    stages: Sequence[StageRow] = (),
+    own: str = "",
 ) -> PlanView:
     """The model of a plan that :func:`format_plan` and :func:`plan_table_html` write.
 
@@ -78,13 +86,29 @@ def plan_view(
         group_size: the number of ranks the plan is for.
         problems: what makes the plan unusable (``ShardPlan.problems``).
         warnings: layouts that run but are probably unintended (``ShardPlan.warnings``).
+        heads: per attention block, the heads each rank keeps (tensor parallel).
+        stages: per rank, the layers it runs (pipeline).
+        own: the model's own method the plan dry-ran (``Model.shard``), if any.
     """
+    notes = [("note", f"sharded by the model's own {own}(group), as mlx-lm does; this plan "
+                      "is that method dry-run on a copy of the model")] if own else []
     return PlanView(
         cells=[[c.cell(r) for c in COLUMNS] for r in rows],
         flagged=[bool(r.problem) for r in rows],
-        footer=_footer(rows, group_size),
-        notes=[("problem", p) for p in problems] + [("warning", w) for w in warnings],
+        footer=_footer(rows, group_size, stages),
+        notes=notes + [("problem", p) for p in problems] + [("warning", w) for w in warnings],
+        heads=[[h.path, str(h.heads), str(h.kv_heads), str(h.head_dim),
+                f"{h.heads_per_rank} + {h.kv_heads_per_rank} kv" if not h.problem else "-",
+                h.problem] for h in heads],
+        stages=[[f"rank {s.rank}", f"{s.first}-{s.last}" if s.last > s.first else str(s.first),
+                 str(s.n_layers), human_bytes(s.param_bytes)] for s in stages],
+        layer_ranks=[s.rank for s in sorted(stages, key=lambda s: s.first)
+                     for _ in range(s.n_layers)],
     )
+
+
+HEAD_TITLES = ("attention block", "heads", "kv heads", "head dim", "per rank", "problem")
+STAGE_TITLES = ("stage", "layers", "count", "parameters held")
 
 
 def _unsharded_bytes(row: PlanRow) -> int:
@@ -94,8 +118,9 @@ def _unsharded_bytes(row: PlanRow) -> int:
     return round(row.bytes_per_rank * int(np.prod(row.full_shape)) / local)
 
 
-def _footer(rows: Sequence[PlanRow], group_size: int) -> str:
-    per_rank = sum(r.bytes_per_rank for r in rows)
+def _footer(rows: Sequence[PlanRow], group_size: int, stages: Sequence[StageRow] = ()) -> str:
+    per_rank = (max(s.param_bytes for s in stages) if stages
+                else sum(r.bytes_per_rank for r in rows))
     unsharded = sum(_unsharded_bytes(r) for r in rows)
     share = f" = {100 * per_rank / unsharded:.1f}% of it" if unsharded else ""
     ideal = f" (ideal {100 / group_size:.1f}% on {group_size} ranks)" if group_size > 0 else ""
@@ -115,6 +140,9 @@ def format_plan(
     *,
     problems: Sequence[str] = (),
     warnings: Sequence[str] = (),
+    heads: Sequence[HeadRow] = (),
+    stages: Sequence[StageRow] = (),
+    own: str = "",
 ) -> str:
     """The sharding plan as an aligned text table.
 
@@ -123,19 +151,29 @@ def format_plan(
         group_size: the number of ranks the plan is for.
         problems: the plan's problems, listed after the table (``problem: …``).
         warnings: the plan's warnings, listed after them (``warning: …``).
+        heads, stages, own: as :func:`plan_view` takes them.
 
     Returns:
-        The table (rows with a problem start with ``!!``), the totals footer, then
-        the notes.
+        The heads table (tensor parallel) or the stages and a layer->rank line
+        (pipeline), then the table (rows with a problem start with ``!!``), the
+        totals footer, then the notes.
     """
-    view = plan_view(rows, group_size, problems, warnings)
+    view = plan_view(rows, group_size, problems, warnings, heads, stages, own)
     headers = ("", *(c.title for c in COLUMNS))
     body = [
         ["!!" if bad else "", *cells] for cells, bad in zip(view.cells, view.flagged, strict=True)
     ]
     table = text_table(headers, body, align="l" + "".join(c.align for c in COLUMNS))
     notes = [f"{kind}: {text}" for kind, text in view.notes]
-    return "\n".join([*table, view.footer, *notes])
+    top: list[str] = []
+    if view.heads:
+        top += [*text_table(HEAD_TITLES, view.heads, align="lrrrll"), ""]
+    if view.stages:
+        picture = " ".join(str(r) for r in view.layer_ranks)
+        top += [*text_table(STAGE_TITLES, view.stages, align="lllr"),
+                f"layer -> rank: {picture}  (data flows from rank {max(view.layer_ranks)} "
+                "down to rank 0)", ""]
+    return "\n".join([*top, *table, view.footer, *notes])
 
 
 def plan_table_html(
@@ -144,6 +182,9 @@ def plan_table_html(
     *,
     problems: Sequence[str] = (),
     warnings: Sequence[str] = (),
+    heads: Sequence[HeadRow] = (),
+    stages: Sequence[StageRow] = (),
+    own: str = "",
 ) -> str:
     """An HTML table of a sharding plan, problems highlighted in red.
 
@@ -156,7 +197,7 @@ def plan_table_html(
         the total bytes per rank against the unsharded total; then a ``<ul>`` of the
         notes, if any.
     """
-    view = plan_view(rows, group_size, problems, warnings)
+    view = plan_view(rows, group_size, problems, warnings, heads, stages, own)
     head = "".join(
         f'<th style="text-align:left;padding:2px 8px">{html.escape(c.title)}</th>' for c in COLUMNS
     )
@@ -177,7 +218,32 @@ def plan_table_html(
         f"<li style='color:{_NOTE_COLORS[kind]}'>{html.escape(text)}</li>"
         for kind, text in view.notes
     )
-    return table + (f"<ul>{notes}</ul>" if notes else "")
+    return (_small_table_html(HEAD_TITLES, view.heads) + _stages_html(view) + table
+            + (f"<ul>{notes}</ul>" if notes else ""))
+
+
+def _small_table_html(titles: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    if not rows:
+        return ""
+    head = "".join(f'<th style="text-align:left;padding:2px 8px">{html.escape(t)}</th>'
+                   for t in titles)
+    body = "".join("<tr>" + "".join(f'<td style="padding:2px 8px">{html.escape(c)}</td>'
+                                    for c in row) + "</tr>" for row in rows)
+    return ('<table style="border-collapse:collapse;font-family:monospace;font-size:12px;'
+            f'margin-bottom:6px"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+
+
+def _stages_html(view: PlanView) -> str:
+    """The stages table and a strip of one box per layer, coloured by its rank."""
+    if not view.stages:
+        return ""
+    boxes = "".join(
+        f'<span title="layer {i}: rank {r}" style="display:inline-block;min-width:22px;'
+        f'padding:2px 4px;margin:1px;background:{rank_hex(r)};color:white;'
+        f'text-align:center">{i}</span>' for i, r in enumerate(view.layer_ranks))
+    return (_small_table_html(STAGE_TITLES, view.stages)
+            + f'<div style="font-family:monospace;font-size:12px;margin-bottom:6px">'
+            f"layers by rank: {boxes}</div>")
 
 
 def _row_html(cells: Sequence[str], flagged: bool) -> str:

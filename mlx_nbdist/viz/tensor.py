@@ -144,8 +144,10 @@ def _block_lines(layout: TensorLayout, block: Block, first: bool) -> list[str]:
 
 
 def _replicated_lines(layout: TensorLayout) -> list[str]:
-    shape = f"{layout.full_shape} each" if layout.full_shape else "scalar"
-    lines = ["replicated", f"on ranks {rank_span(layout.ranks)}", shape]
+    each = " each" if len(layout.ranks) > 1 else ""
+    shape = f"{layout.full_shape}{each}" if layout.full_shape else "scalar"
+    lines = (["whole", f"on rank {layout.ranks[0]} only", shape] if len(layout.ranks) == 1
+             else ["replicated", f"on ranks {rank_span(layout.ranks)}", shape])
     s = layout.slices[0]
     if s.data is None:
         lines += _stats_lines(slice_stats(s))
@@ -397,7 +399,9 @@ def _draw_outlines(ax: Axes, layout: TensorLayout) -> None:
             edgecolor="black",
             linewidth=1.5,
         )
-        _draw_tag(ax, (0, rows, 0, cols), f"replicated {rank_span(layout.ranks)}", None)
+        tag = (f"rank {layout.ranks[0]}" if len(layout.ranks) == 1
+               else f"replicated {rank_span(layout.ranks)}")
+        _draw_tag(ax, (0, rows, 0, cols), tag, None)
         return
     for block in layout.blocks:
         color = rank_color(block.rank)
