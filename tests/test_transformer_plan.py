@@ -181,3 +181,50 @@ def test_quantized_model_is_planned_through_its_own_shard(lm):
     assert q.layer == "QuantizedLinear -> QuantizedAllToShardedLinear"
     assert q.local_shape == (64, q.full_shape[1])
 
+
+
+def test_planning_leaves_the_random_state_alone(lm):
+    """MLX's sharded layers draw random initial weights; a plan runs on rank 0 only, so
+    its dry-run must not move rank 0's random state (LoRA, dropout would then differ)."""
+    import mlx.core as mx
+
+    model = lm["build_lm"]("llama")
+    mx.random.seed(7)
+    want = mx.random.normal((4,))
+    mx.random.seed(7)
+    plan(model, "megatron", group_size=2)
+    assert mx.array_equal(mx.random.normal((4,)), want).item()
+
+
+def test_stale_head_counts_are_flagged_without_a_head_dim_attribute(lm):
+    from mlx_nbdist.engine.sharding import _PlanningGroup
+
+    model = lm["build_lm"]("qwen2")
+    assert not hasattr(model.model.layers[0].self_attn, "head_dim")
+    model.shard(_PlanningGroup(2))
+    assert plan(model, {}, group_size=2).warnings == []
+    model.model.layers[0].self_attn.n_heads = 4
+    assert any("n_heads is 4 but its query projection holds 2" in w
+               for w in plan(model, {}, group_size=2).warnings)
+
+
+def test_pipeline_of_a_tensor_parallel_model_is_refused(lm):
+    from mlx_nbdist.engine.sharding import _PlanningGroup
+
+    model = lm["build_lm"]("qwen2", num_hidden_layers=4)
+    model.shard(_PlanningGroup(2))
+    p = plan(model, "pipeline", group_size=2)
+    assert not p.ok and "pipeline over tensor-parallel layers" in p.problems[0]
+
+
+def test_shard_in_a_cell_warns_what_the_plan_warns():
+    from mlx_nbdist.engine.sharding import shard
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 8)
+
+    with pytest.warns(UserWarning, match="paired the Linear layers in the order"):
+        shard(Branchy(), "megatron")

@@ -321,8 +321,9 @@ class CheckReport:
 
     def __str__(self) -> str:
         if self.ok:
-            return (f"all {self.n_params} replicated parameters that every rank holds are "
-                    f"identical on every rank" + self._not_compared())
+            held = " that every rank holds" if self.only_on else ""
+            return (f"all {self.n_params} replicated parameters{held} are identical on every "
+                    "rank" + self._not_compared())
         lines = [f"{len(self.diverged)} of {self.n_params} replicated parameters diverged:"]
         for path, ranks in self.diverged.items():
             detail = ", ".join(f"rank {r} (|Δsum| {d:.3g})" for r, d in sorted(ranks.items()))

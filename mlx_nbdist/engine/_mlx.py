@@ -13,8 +13,11 @@ Checked against mlx 0.32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import mlx.core as mx
 
 
 def gather_fn(module: Any) -> Callable[..., Any]:
@@ -25,3 +28,28 @@ def gather_fn(module: Any) -> Callable[..., Any]:
 def set_gather_fn(module: Any, fn: Callable[..., Any]) -> None:
     """Make ``module`` (a ``FullyShardedModule``) gather its shards with ``fn``."""
     module._gather_fn = fn
+
+
+@contextmanager
+def no_random_draws() -> Iterator[None]:
+    """Within: ``mx.random.uniform`` returns zeros and leaves the random state alone.
+
+    MLX's sharded layer constructors (``AllToShardedLinear.__init__`` ...) draw their
+    initial weights with ``mx.random.uniform``, advancing the global random key, and
+    MLX gives no way to save and restore that key. A plan dry-runs a model's own
+    ``shard()`` on one rank only; without this it would leave that rank's random
+    state ahead of the others', so later random draws (LoRA's initial weights,
+    dropout, sampling) would silently differ between ranks. The constructors'
+    weights are replaced by the sliced ones right after, so zeros are harmless.
+    """
+    original = mx.random.uniform
+
+    def zeros(low: Any = 0.0, high: Any = 1.0, shape: Any = (), dtype: Any = mx.float32,
+              *args: Any, **kwargs: Any) -> mx.array:
+        return mx.zeros(shape, dtype=dtype)
+
+    mx.random.uniform = zeros
+    try:
+        yield
+    finally:
+        mx.random.uniform = original

@@ -113,7 +113,7 @@ def generate(
         mx.synchronize(lm.generation_stream)
     if show:
         sys.stdout.write("\n")
-    _same_on_every_rank(out, group)
+    _same_on_every_rank(out, max_tokens, group)
     n_prompt = int(tokens_in.size)
     result = Generation(
         tokens=out, text=tokenizer.decode(out) if tokenizer is not None else "",
@@ -144,11 +144,15 @@ def _echo(token: int, tokenizer: Any) -> None:
     sys.stdout.flush()
 
 
-def _same_on_every_rank(tokens: list[int], group: mx.distributed.Group) -> None:
+def _same_on_every_rank(tokens: list[int], max_tokens: int, group: mx.distributed.Group
+                        ) -> None:
     """Raise on every rank when any rank generated other tokens than rank 0."""
     if group.size() == 1:
         return
-    mine = mx.array([len(tokens), *tokens], dtype=mx.int32)[None]
+    # padded to one length on every rank, so the check itself is never a mismatched
+    # collective (a rank that stopped early at an end token has fewer)
+    mine = mx.array([len(tokens), *tokens, *[-1] * (max_tokens - len(tokens))],
+                    dtype=mx.int32)[None]
     table = mx.distributed.all_gather(mine, group=group).tolist()
     differ = [r for r, row in enumerate(table) if row != table[0]]
     if differ:
@@ -175,9 +179,16 @@ def load(
         The model, or ``(model, tokenizer)`` with ``tokenizer=True``.
     """
     lm = _mlx_lm.require("mlx_nbdist.load")
-    model_dir = _model_dir(path)
     group = group or current().world
-    model, _config = lm.load_model(model_dir, lazy=True)
+    try:
+        model_dir = _model_dir(path)
+        model, _config = lm.load_model(model_dir, lazy=True)
+        failed = ""
+    except Exception as e:  # noqa: BLE001 - told to every rank below, then re-raised
+        failed, error = f"{type(e).__name__}: {e}", e
+    _all_or_none(bool(failed), group, "load")
+    if failed:
+        raise error
     whole = _nbytes(model)
     before = mx.get_active_memory()  # what the rank held already (other models, arrays)
     mx.reset_peak_memory()
@@ -196,6 +207,18 @@ def load(
     if tokenizer:
         return model, lm.load_tokenizer(model_dir)
     return model
+
+
+def _all_or_none(failed: bool, group: mx.distributed.Group, what: str) -> None:
+    """Raise on the ranks that did not fail when any rank failed (one all_sum), so a
+    failure on one host never leaves the others waiting in the next collective."""
+    if group.size() == 1:
+        return
+    flags = mx.distributed.all_gather(mx.array([int(failed)], dtype=mx.int32), group=group)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad and not failed:
+        raise RuntimeError(f"{what} failed on rank(s) {bad} (their error says why); this rank "
+                           "stopped too, so no rank waits for the others")
 
 
 def _nbytes(model: nn.Module) -> int:
@@ -235,6 +258,9 @@ def lora(model: nn.Module, num_layers: int = -1, config: dict[str, Any] | None =
     gradients with ``nn.average_gradients``.
     """
     lm = _mlx_lm.require("mlx_nbdist.lora")
+    if not isinstance(num_layers, int) or num_layers == 0 or num_layers < -1:
+        raise ValueError(f"lora: num_layers must be a positive int or -1 (all layers), got "
+                         f"{num_layers!r}")
     config = {"rank": 8, "scale": 20.0, "dropout": 0.0, **(config or {})}
     inner = unwrap(model)
     if inner is not model:

@@ -647,6 +647,9 @@ def plan(
     if isinstance(sharding, Mapping):
         modes = _resolve_mapping(sharding, nodes)
     elif sharding == MEGATRON and blocks:
+        if _staged_prefix(model):
+            raise ShardingError(f"{type(model).__name__} is already pipelined (each rank "
+                                "holds other layers): shard the whole model instead")
         if _own_shard(model) and not any(_current_mode(n.module) for n in nodes):
             _plan_own_shard(model, nodes, by_path, blocks, result)
             return result
@@ -784,7 +787,8 @@ def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _No
     if not result.problems:
         sharded = _structure_copy(model)
         try:
-            sharded.shard(_PlanningGroup(n_ranks))
+            with _mlx.no_random_draws():  # a plan on one rank must not move its random key
+                sharded.shard(_PlanningGroup(n_ranks))
         except Exception as e:  # noqa: BLE001 - the model's own code: report what it said
             result.problems.append(
                 f"{result.own}() cannot shard this model across {n_ranks} ranks: "
@@ -848,6 +852,13 @@ def _plan_pipeline(model: nn.Module, nodes: list[_Node], by_path: dict[str, _Nod
         return
     if result.segments != 1:
         result.problems.append("pipeline takes no segments")
+    tp = [n.path for n in nodes if _current_mode(n.module) is not None]
+    if tp:
+        result.problems.append(
+            f"pipeline over tensor-parallel layers is not supported (their collectives span "
+            f"all ranks while each stage runs alone): {', '.join(tp[:4])}"
+            + (f" and {len(tp) - 4} more" if len(tp) > 4 else ""))
+        return
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, list) or any(x is None for x in layers):
         result.problems.append(f"{type(inner).__name__}.layers is not a full list of layers "
@@ -1267,6 +1278,9 @@ def shard(
     for (_via, warning), paths in _by_warning(inexact).items():
         warnings.warn(f"mlx_nbdist.shard: {', '.join(sorted(paths))}: {warning}",
                       UserWarning, stacklevel=2)
+    for text in the_plan.warnings:  # what the plan flagged (flow, assumed pairing)
+        if not any(r.warning and r.warning in text for r in RULES.values()):
+            warnings.warn(f"mlx_nbdist.shard: {text}", UserWarning, stacklevel=2)
     by_path = {n.path: n for n in _walk(model)}
     root = model
     for path, mode in the_plan.layer_modes.items():

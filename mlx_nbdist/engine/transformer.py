@@ -161,11 +161,13 @@ def _read_heads(block: Block, module: nn.Module, projections: dict[str, nn.Modul
     block.kv_heads = _first_attr(module, KV_HEAD_ATTRS) or block.heads
     head_dim = getattr(module, "head_dim", None)
     query = next((projections[k] for k in ("q_proj", "wq") if k in projections), None)
-    if not isinstance(head_dim, int) and block.heads and query is not None and _is_linear(query):
-        head_dim = _out_features(query) // max(block.heads[1], 1)
     scale = getattr(module, "scale", None)
     if not isinstance(head_dim, int) and isinstance(scale, float) and scale > 0:
         head_dim = round(scale ** -2)  # mlx-lm's attention keeps scale = head_dim ** -0.5
+    if not isinstance(head_dim, int) and block.heads and query is not None and _is_linear(query):
+        # an unsharded query only: a sharded one's local rows over a stale head count
+        # would hide exactly the mistake head_problems looks for
+        head_dim = _out_features(query) // max(block.heads[1], 1)
     block.head_dim = head_dim if isinstance(head_dim, int) else None
 
 
