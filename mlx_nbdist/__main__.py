@@ -9,7 +9,7 @@ from .demo import run_demo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlx_nbdist")
+    p = argparse.ArgumentParser(prog="mlx-nbdist")
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="run the tensor-parallel demo headless")
     demo.add_argument("-n", type=int, default=2, help="number of ranks")
