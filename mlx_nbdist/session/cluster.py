@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from .. import processes, runtime, watchdog
+from .. import config, processes, runtime, watchdog
 from ..errors import StartError
 from ..launchers import Launcher
 from ..launchers.ssh import SSHLauncher
@@ -47,6 +47,7 @@ class Cluster:
         self.client: Any = None
         #: the controller and its schedulers, watched while cells run
         self.infra: dict[str, psutil.Process] = {}
+        self._infra_ok_at = float("-inf")  # when infrastructure_problem last found none
         self.watchdog: int | None = None  # its PID (see mlx_nbdist.watchdog)
 
     # -- starting -------------------------------------------------------------------
@@ -157,11 +158,21 @@ class Cluster:
 
     def infrastructure_problem(self) -> str:
         """Why results can no longer reach the notebook: the controller or one of its
-        schedulers exited (``""`` when all run)."""
+        schedulers exited (``""`` when all run).
+
+        A clean answer is reused for ``Policy.alive_every`` seconds: a cell asks before
+        dispatch and its supervisor again at once, and reading every scheduler's
+        process each time cost about 0.5 ms a cell (bench: Session.run 1.04x -> 1.14x
+        of ``%%px``); a controller that dies is still seen within that interval.
+        """
+        now = time.monotonic()
+        if now - self._infra_ok_at < config.Policy.alive_every:
+            return ""
         for what, p in self.infra.items():
             if processes.running(p):
                 continue
             return f"the ipyparallel {what} (pid {p.pid}) exited; results cannot reach the notebook"
+        self._infra_ok_at = now
         return ""
 
     # -- processes ------------------------------------------------------------------
