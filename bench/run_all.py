@@ -19,6 +19,7 @@ import roundtrip  # noqa: E402
 import slices  # noqa: E402
 import startup  # noqa: E402
 import tp_step  # noqa: E402
+import trace_cost  # noqa: E402
 from common import RESULTS, machine, save  # noqa: E402
 
 BENCHES = {
@@ -28,6 +29,7 @@ BENCHES = {
     "startup": startup,
     "tp_step": tp_step,
     "live_output": live_output,
+    "trace_cost": trace_cost,
 }
 DOC = Path(__file__).parent.parent / "docs" / "performance.md"
 
@@ -147,6 +149,34 @@ def section_live_output(d: dict) -> list[str]:
     return out + [""]
 
 
+def section_trace_cost(d: dict) -> list[str]:
+    out = ["## The collective recorder (`%%mlxdist --profile`)", "",
+           "Profile off and on, interleaved on the same engines. With the recorder off each "
+           "collective pays one attribute test; on, every collective is evaluated where it "
+           "is issued (no overlap of compute and communication) and the cell publishes "
+           "its record.", "",
+           "| ranks | what | off (median / p95) | on (median / p95) | on / off |",
+           "|---|---|---|---|---|"]
+    for ranks, rows in d.items():
+        if not isinstance(rows, dict):
+            continue
+        for what in ("round trip", "tp step"):
+            st = rows.get(what)
+            if not st:
+                continue
+            out.append(f"| {ranks} | {what} | {ms(st['off']['median'])} / {ms(st['off']['p95'])} | "
+                       f"{ms(st['on']['median'])} / {ms(st['on']['p95'])} | "
+                       f"{st['on / off']:.3f}x |")
+        hook = rows.get("recorder-off hook, ns per collective")
+        if hook is not None:
+            out += ["", f"Recorder off: {hook:.0f} ns per collective (the hook alone, timed "
+                        "in one process)."]
+        summary = (rows.get("tp step") or {}).get("profiled summary")
+        if summary:
+            out += ["", f"A profiled TP step reads: `{summary}`"]
+    return out + [""]
+
+
 SECTIONS = {
     "roundtrip": section_roundtrip,
     "collectives": section_collectives,
@@ -154,6 +184,7 @@ SECTIONS = {
     "startup": section_startup,
     "tp_step": section_tp,
     "live_output": section_live_output,
+    "trace_cost": section_trace_cost,
 }
 
 

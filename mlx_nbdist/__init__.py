@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import current_session, start, stop
+from .api import comm_stats, current_session, export, start, stop, timeline, trace, where
+from .client.checkpoint import consolidate, read_index, save
+from .client.checkpoint import load as load_checkpoint
 from .client.models import check, gradsync, plan, shard, show, slices
 from .engine.progress import log_scalars, progress
 from .errors import (
     CellError,
     CellInterrupted,
+    CheckpointError,
     CollectiveTimeout,
     MLXDistError,
     NotStartedError,
@@ -22,6 +25,7 @@ from .errors import (
     ShardingError,
     StartError,
 )
+from .history import ExportError
 from .results import CellResult, RankOutput
 from .session import Session
 
@@ -31,7 +35,9 @@ __all__ = [
     "CellError",
     "CellInterrupted",
     "CellResult",
+    "CheckpointError",
     "CollectiveTimeout",
+    "ExportError",
     "MLXDistError",
     "NotStartedError",
     "RankOutput",
@@ -41,20 +47,29 @@ __all__ = [
     "ShardingError",
     "StartError",
     "check",
+    "comm_stats",
+    "consolidate",
     "current_session",
     "dashboard",
+    "export",
     "generate",
     "load",
+    "load_checkpoint",
     "log_scalars",
     "lora",
     "progress",
     "gradsync",
+    "read_index",
+    "save",
     "plan",
     "shard",
     "show",
     "slices",
     "start",
     "stop",
+    "timeline",
+    "trace",
+    "where",
 ]
 
 

@@ -1,10 +1,11 @@
-"""Command line: ``python -m mlx_nbdist demo | install-kernel``."""
+"""Command line: ``python -m mlx_nbdist demo | install-kernel | run``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .config import Backend
 from .demo import run_demo
 
 
@@ -21,14 +22,37 @@ def main(argv: list[str] | None = None) -> int:
         "%%local runs a cell in the kernel itself.",
     )
     kern.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
-    kern.add_argument("--backend", choices=("ring", "mpi"), default="ring")
+    kern.add_argument("--backend", choices=[b.value for b in Backend], default="ring")
     kern.add_argument("--launcher", choices=("local", "mpi"), default="")
     kern.add_argument("--name", default=None, help="kernelspec name (default mlx-nbdist-N)")
     kern.add_argument("--display-name", default=None)
     where = kern.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for this user only")
     where.add_argument("--prefix", default=None, help="install under PREFIX/share/jupyter")
+    run = sub.add_parser(
+        "run",
+        help="run a script on N ranks of a new session",
+        description="Start N ranks (one MLX group), run SCRIPT on every rank as one cell in "
+        "this directory, print each rank's lines as they arrive behind [rank r], stop the "
+        "session. Exit status: 0 when every rank finished, 1 when a rank failed (named), "
+        "2 when the session could not start. An exported notebook "
+        "(%mlxdist export) runs here as under mlx.launch.",
+    )
+    run.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
+    run.add_argument("--backend", choices=[b.value for b in Backend], default=None,
+                     help="MLX backend (default ring)")
+    run.add_argument("--timeout", type=float, default=None,
+                     help="deadline in seconds (default: none)")
+    run.add_argument("script", help="the Python file to run")
     args = p.parse_args(argv)
+    if args.cmd == "run":
+        from .script import run_file
+
+        try:
+            return run_file(args.script, args.n, args.backend, timeout=args.timeout)
+        except KeyboardInterrupt:
+            print("mlx_nbdist run: interrupted; the session was stopped", file=sys.stderr)
+            return 130
     if args.cmd == "demo":
         return run_demo(n=args.n)
     if args.cmd == "install-kernel":

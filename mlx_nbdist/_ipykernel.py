@@ -24,6 +24,13 @@ API, so they are read here and nowhere else:
   subshell; the dashboard sets it once so its buttons' clicks reach the subshell's
   thread, which runs while a cell runs.
 
+**Cell file names for stacks** (:mod:`mlx_nbdist.session.stacks`).
+A rank's stack names a cell by the file name ipykernel compiled it under
+(``<tmp>/ipykernel_<pid>/<murmur2 of the cell's text>.py``). ipykernel makes that name
+in ``ipykernel.compiler`` (``murmur2_x86``, ``get_tmp_hash_seed``: public functions,
+but the naming scheme is ipykernel's own choice, not an API), so the notebook can
+tell which of its cells a frame is in and show that line.
+
 Checked against ipykernel 6.29 and 7.4.
 """
 
@@ -109,3 +116,14 @@ def route_to_subshell(widgets: list[Any], subshell_id: str | None) -> bool:
             continue
         comm._reply_subshell_id = subshell_id
     return ok
+
+
+def cell_file_name(source: str) -> str | None:
+    """The last part of the file name an ipykernel kernel runs ``source`` as (``None``
+    when this ipykernel names cells otherwise)."""
+    try:
+        from ipykernel.compiler import get_tmp_hash_seed, murmur2_x86
+
+        return f"{murmur2_x86(source, get_tmp_hash_seed())}.py"
+    except Exception:  # noqa: BLE001 - another ipykernel: frames show the file instead
+        return None

@@ -7,13 +7,17 @@ Also the session the distributed kernel starts in the background at launch
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import NotStartedError, StartError
+from .results import RankStack
 from .session import Session, SessionStatus
+from .timelines import CellTimeline, CommStats
 
 _CURRENT: Session | None = None
 
@@ -41,6 +45,32 @@ def stop() -> None:
     """Stop the current session, if any."""
     if _CURRENT is not None:
         _CURRENT.stop()
+
+
+def timeline(k: int = 1) -> CellTimeline:
+    """The current session's last ``k`` profiled cells (``%mlxdist timeline``)."""
+    return current_session().timeline(k)  # type: ignore[union-attr]
+
+
+def trace(path: str | os.PathLike[str], k: int = 1) -> Path:
+    """Write the current session's last ``k`` profiled cells as Chrome trace JSON."""
+    return current_session().trace(path, k)  # type: ignore[union-attr]
+
+
+def comm_stats(k: int = 1) -> CommStats:
+    """Per-op, per-rank collective statistics of the last ``k`` profiled cells."""
+    return current_session().comm_stats(k)  # type: ignore[union-attr]
+
+
+def export(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write the current session's cells as one standalone script (``%mlxdist export``;
+    see :meth:`Session.export`)."""
+    return current_session().export(path, overwrite=overwrite)  # type: ignore[union-attr]
+
+
+def where() -> dict[int, RankStack]:
+    """Every rank's current stack in the current session (``%mlxdist where``)."""
+    return current_session().where()  # type: ignore[union-attr]
 
 
 def format_status(st: SessionStatus) -> str:

@@ -20,7 +20,36 @@ class Backend(TextEnum):
 
     RING = "ring"
     MPI = "mpi"
+    #: NVIDIA GPUs (MLX's CUDA build), one GPU per rank
+    NCCL = "nccl"
+    #: RDMA over Thunderbolt 5 between Macs (MLX >= 0.30.1 on macOS)
+    JACCL = "jaccl"
 
+    def requirement(self) -> str:
+        """What this backend needs, and the fix, for an MLX build that lacks it."""
+        return _REQUIREMENTS[self]
+
+    def unavailable(self, where: str, version: str) -> str:
+        """The message for an MLX (``version``, on ``where``) that lacks this backend."""
+        return (
+            f"MLX's '{self.value}' distributed backend is not available {where} "
+            f"(mlx {version}): {self.requirement()}"
+        )
+
+
+_REQUIREMENTS = {
+    Backend.RING: "install mlx>=0.32.1 with distributed support "
+    "(pip install 'mlx_nbdist[cpu]' on Linux; the mlx wheel on macOS)",
+    Backend.MPI: "MLX loads Open MPI's libmpi at run time: pip install 'mlx_nbdist[mpi]' "
+    "(or set MLX_MPI_LIBNAME to a system Open MPI's libmpi), or use --backend ring",
+    Backend.NCCL: "nccl needs MLX's CUDA build on a Linux machine with NVIDIA GPUs: "
+    "pip install 'mlx_nbdist[cuda]' (CUDA 12) or 'mlx_nbdist[cuda13]' (CUDA 13) "
+    "there; use --backend ring meanwhile",
+    Backend.JACCL: "jaccl needs Macs with Thunderbolt 5 and RDMA enabled (`rdma_ctl enable` "
+    "in macOS Recovery), mlx>=0.32.1 on macOS and a hostfile whose hosts list their "
+    '"rdma" devices (mlx.distributed_config --backend jaccl writes one); use '
+    "--backend ring meanwhile",
+}
 
 
 #: ranks of a session when nobody says
@@ -40,6 +69,9 @@ PUBLISH_INTERVAL = 0.25
 #: a rank whose published state is older than this many intervals shows as hung
 STALE_INTERVALS = 12
 STALE_AFTER = PUBLISH_INTERVAL * STALE_INTERVALS
+#: how long ranks may take to write their stacks when asked (a stuck rank's, on a
+#: deadline, an interrupt or %mlxdist where), seconds
+STACK_TIMEOUT = 1.0
 
 
 @dataclass

@@ -6,6 +6,8 @@ self-contained HTML file (figures embedded) and prints its path. Without the not
 (an installed package rather than a checkout) or without nbclient/nbconvert (the
 ``dev`` extra), ``python -m mlx_nbdist demo`` falls back to :func:`run_quick_check`:
 the same tensor-parallel MLP checked against the unsharded model, printed per rank.
+A failure (no usable MLX, a start that fails, a rank that raises) ends in one paragraph
+on stderr and exit status 1, not a traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .backend_check import check_mlx
+from .errors import MLXDistError
 from .session import Session
 
 #: Where the tutorials live in a source checkout.
@@ -35,7 +39,8 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 mx.random.seed(0)                       # the same weights on every rank
-full = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+hidden = size * -(-256 // size)         # 256, rounded up to a multiple of the ranks
+full = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 64))
 x = mx.random.normal((8, 64), key=mx.random.key(1))
 y_full = full(x)
 
@@ -69,15 +74,36 @@ def run_demo(n: int = 2) -> int:
             quick check.
 
     Returns:
-        The process exit status (0 on success).
+        The process exit status: 0 on success, 1 when the demo failed, 2 for a bad ``n``.
     """
-    if n == 2 and DEMO_NOTEBOOK.exists() and _have_nbclient():
-        return main([])
-    return run_quick_check(n)
+    if n < 1:
+        print(f"mlx-nbdist demo: -n must be a whole number of ranks >= 1, not {n}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        check_mlx()  # before a kernel or engines start, which would only fail later
+        if n == 2 and DEMO_NOTEBOOK.exists() and _have_nbclient():
+            return main([])
+        return run_quick_check(n)
+    except MLXDistError as e:
+        print(failure_paragraph(e, n), file=sys.stderr)
+        return 1
+
+
+def failure_paragraph(error: MLXDistError, n: int) -> str:
+    """One paragraph for a failed demo: what failed, the error's own text on one line."""
+    text = " ".join(str(error).split())
+    return f"mlx-nbdist demo failed ({n} ranks): {type(error).__name__}: {text}"
 
 
 def run_quick_check(n: int = 2) -> int:
-    """Start ``n`` ranks, run a tensor-parallel MLP, check it, print per rank, stop."""
+    """Start ``n`` ranks, run a tensor-parallel MLP, check it, print per rank, stop.
+
+    Raises:
+        MLXDistError: no usable MLX here (:class:`SetupError`), the ranks did not start,
+            or a rank failed the check (:class:`CellError`).
+    """
+    check_mlx()  # a SetupError that names the extra, before any engine starts
     t0 = time.monotonic()
     with Session(n) as s:
         print(f"started {n} ranks ({s.backend} backend) in {time.monotonic() - t0:.1f} s")
@@ -195,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=2, help="ranks for --quick")
     args = p.parse_args(argv)
     if args.quick:
-        return run_quick_check(args.n)
+        try:
+            return run_quick_check(args.n)
+        except MLXDistError as e:
+            print(failure_paragraph(e, args.n), file=sys.stderr)
+            return 1
     if not args.notebook.exists():
         p.error(f"{args.notebook} not found (the notebooks are in a source checkout)")
     if not _have_nbclient():

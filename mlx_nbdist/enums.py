@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class TextEnum(str, Enum):
+class TextEnum(StrEnum):
     """An enum whose members are their names as users type and read them: a member
     compares equal to its value (``SessionState.READY == "ready"``), prints as it
     (``str``, f-strings) and serialises to JSON as a plain string."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    __format__ = str.__format__

@@ -48,6 +48,16 @@ class ShardingError(MLXDistError):
     ranks that it cannot work on (not a model, different shapes on different ranks)."""
 
 
+class NoProfileError(MLXDistError):
+    """A timeline, trace or statistics were asked for and there is nothing to show
+    (no profiled cell yet, a stopped session, K beyond the cells kept)."""
+
+
+class CheckpointError(MLXDistError):
+    """A checkpoint cannot be saved, loaded or consolidated (names the file, rank,
+    parameter or dimension, and what to do)."""
+
+
 class CellError(MLXDistError):
     """One or more ranks failed a ``%%mlxdist`` cell.
 
@@ -89,6 +99,11 @@ class CellError(MLXDistError):
                     f"  last collectives on {g.label()}: "
                     + "; ".join(p.describe() for p in f.pending[-3:])
                 )
+            if f.stack is not None and len(f.stack.frames) > 1:  # one: the headline says it
+                lines = f.stack.format().splitlines()
+                verb = "was" if len(g.ranks) == 1 else "were"
+                out.append(f"  {g.label()} {verb} at " + lines[0].split(" is at ", 1)[-1])
+                out.extend("  " + line for line in lines[1:])
         if self.summary:
             out.append("")
             out.append(self.summary)
@@ -157,7 +172,16 @@ def _failure_key(f: RankFailure) -> tuple:
         _normalise(f.evalue),
         tuple(_normalise(line) for line in f.traceback),
         tuple(p.describe() for p in f.pending[-3:]),
+        _stack_key(f),
     )
+
+
+def _stack_key(f: RankFailure) -> tuple:
+    """Ranks stopped at different lines are reported apart."""
+    if f.stack is None or not f.stack.frames:
+        return ()
+    return tuple((fr.cell, fr.line, fr.func) if fr.cell is not None else (fr.file, fr.line)
+                 for fr in f.stack.frames)
 
 
 def rank_span(ranks: list[int]) -> str:

@@ -33,6 +33,12 @@ from typing import Any
 
 from .errors import SetupError
 
+#: the hostfile ``backend`` of jaccl over a ring of Thunderbolt links (``MLX_JACCL_RING``)
+JACCL_RING = "jaccl-ring"
+#: one entry of a host's ``rdma`` list: no device (itself, or no link), a device, or
+#: several devices to that peer
+RdmaEntry = str | tuple[str, ...] | None
+
 
 @dataclass(frozen=True)
 class Host:
@@ -43,10 +49,13 @@ class Host:
         ips: the addresses the MLX ring listens on for ranks on this host (MLX's
             hostfile ``ips``); empty: the address this host uses to reach the
             controller, found when the engine starts.
+        rdma: the hostfile's ``rdma`` list for jaccl: entry ``j`` is the RDMA device
+            (or devices) this rank reaches rank ``j`` through, ``None`` for itself.
     """
 
     name: str
     ips: tuple[str, ...] = ()
+    rdma: tuple[RdmaEntry, ...] = ()
 
     @property
     def hostname(self) -> str:
@@ -78,6 +87,16 @@ class Placement:
     @property
     def n(self) -> int:
         return len(self.hosts)
+
+    @property
+    def backend_name(self) -> str:
+        """The hostfile's backend as a ``--backend`` name (``jaccl-ring`` is jaccl)."""
+        return "jaccl" if self.backend == JACCL_RING else self.backend
+
+    @property
+    def jaccl_ring(self) -> bool:
+        """The hostfile asks for jaccl's ring variant (``"backend": "jaccl-ring"``)."""
+        return self.backend == JACCL_RING
 
     def counts(self) -> dict[str, int]:
         """Ranks per host name, in order of first appearance."""
@@ -124,8 +143,10 @@ class Placement:
 def read_hostfile(path: str | os.PathLike[str]) -> Placement:
     """Read MLX's hostfile (a dict with ``hosts``, or a bare list of hosts).
 
-    Each host is ``{"ssh": name, "ips": [addresses...]}``; extra keys (``rdma``) are
-    ignored. Entry ``i`` is rank ``i``, so a machine listed twice runs two ranks.
+    Each host is ``{"ssh": name, "ips": [addresses...], "rdma": [devices...]}``
+    (``rdma`` only for jaccl, see :func:`ibv_devices`). Entry ``i`` is rank ``i``, so a
+    machine listed twice runs two ranks. ``backend`` becomes the session's backend
+    unless one is asked for explicitly.
 
     Raises:
         SetupError: the file is missing, is not JSON, or an entry is malformed.
@@ -157,8 +178,147 @@ def read_hostfile(path: str | os.PathLike[str]) -> Placement:
             raise SetupError(f'hostfile {p}: "ips" of entry {i} must be a list')
         for ip in ips:
             _check_ip(ip, f"hostfile {p}, entry {i}")
-        hosts.append(Host(h["ssh"], tuple(ips)))
+        rdma = _rdma_entries(h.get("rdma"), f"hostfile {p}, entry {i} ({h['ssh']})")
+        hosts.append(Host(h["ssh"], tuple(ips), rdma))
+    if backend:
+        from .config import Backend
+
+        known = [b.value for b in Backend] + [JACCL_RING]
+        if backend not in known:
+            raise SetupError(
+                f'hostfile {p}: "backend": {backend!r} is not one of {", ".join(known)}'
+            )
     return Placement(hosts, source=f"hostfile {p}", backend=backend, envs=envs)
+
+
+def _rdma_entries(value: Any, where: str) -> tuple[RdmaEntry, ...]:
+    """A hostfile's ``rdma`` list as a tuple (lists of devices become tuples)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise SetupError(f'{where}: "rdma" must be a list (one entry per rank), got {value!r}')
+    out: list[RdmaEntry] = []
+    for j, e in enumerate(value):
+        if e is None or (isinstance(e, str) and e):
+            out.append(e)
+        elif isinstance(e, list) and e and all(isinstance(d, str) and d for d in e):
+            out.append(tuple(e))
+        else:
+            raise SetupError(
+                f'{where}: "rdma" entry {j} must be a device name such as "rdma_en2", '
+                f"a list of them, or null; got {e!r}"
+            )
+    return tuple(out)
+
+
+# -- what each rank's MLX needs in its environment (pure: placement in, dict out) ----
+def ibv_devices(placement: Placement, ring: bool = False) -> list[list[Any]]:
+    """The jaccl device matrix (``MLX_IBV_DEVICES``' file) from the hosts' ``rdma``.
+
+    Row ``i`` is rank ``i``'s ``rdma`` list: ``null`` for itself, else the device to
+    each peer (every peer for the mesh, the two neighbours with ``ring``), the checks
+    ``mlx.launch --backend jaccl`` makes.
+
+    Raises:
+        SetupError: a host has no ``rdma`` list, or not one entry per rank, an entry
+            names a device to itself, or a device to a peer is missing; the message
+            names the host, rank and entry.
+    """
+    n = placement.n
+    where = placement.source or "the hostfile"
+    for i, h in enumerate(placement.hosts):
+        if not h.rdma:
+            raise SetupError(
+                f'jaccl: rank {i} (host {h.name}) has no "rdma" list in {where}; jaccl '
+                f'needs each host\'s RDMA devices to every other rank, e.g. "rdma": '
+                f"{json.dumps(_example_rdma(i, n))} (mlx.distributed_config --backend "
+                "jaccl writes them)"
+            )
+        if len(h.rdma) != n:
+            raise SetupError(
+                f'jaccl: rank {i} (host {h.name}) has {len(h.rdma)} "rdma" entries in '
+                f"{where}, but the session has {n} ranks: the device matrix must be "
+                f"{n} x {n} (one entry per rank, null for itself)"
+            )
+        if h.rdma[i] is not None:
+            raise SetupError(
+                f'jaccl: rank {i} (host {h.name}): "rdma" entry {i} is its own and must '
+                f"be null in {where}, got {h.rdma[i]!r}"
+            )
+        peers = ((i - 1) % n, (i + 1) % n) if ring else range(n)
+        for j in peers:
+            if j != i and h.rdma[j] is None:
+                raise SetupError(
+                    f'jaccl: rank {i} (host {h.name}) lists no RDMA device to rank {j} '
+                    f"(host {placement.hosts[j].name}) in {where} (\"rdma\" entry {j} is "
+                    "null); "
+                    + (
+                        "the jaccl ring needs one to each neighbour"
+                        if ring
+                        else "the jaccl mesh needs a Thunderbolt link between every pair"
+                    )
+                )
+    return [[list(e) if isinstance(e, tuple) else e for e in h.rdma] for h in placement.hosts]
+
+
+def _example_rdma(i: int, n: int) -> list[str | None]:
+    return [None if j == i else f"rdma_en{j + 2}" for j in range(n)]
+
+
+def local_indices(hosts: Sequence[str]) -> list[int]:
+    """Each rank's index among the ranks on its host: ``[a, a, b, b]`` -> ``[0, 1, 0, 1]``."""
+    seen: dict[str, int] = {}
+    out = []
+    for h in hosts:
+        out.append(seen.get(h, 0))
+        seen[h] = out[-1] + 1
+    return out
+
+
+def cuda_device(local_index: int, visible: str | None = None, gpus: int = 0) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of the rank with ``local_index`` on its host.
+
+    ``visible``: the host's own ``CUDA_VISIBLE_DEVICES`` (a list the user chose: the
+    rank gets one of those, round robin); else ``gpus`` (the host's GPU count: rank
+    ``local_index % gpus``); else, count unknown, ``local_index`` itself, as
+    ``mlx.launch --backend nccl`` does (``rank % ranks per host``).
+    """
+    chosen = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    if chosen:
+        return chosen[local_index % len(chosen)]
+    return str(local_index % gpus if gpus > 0 else local_index)
+
+
+def nccl_env(rank: int, size: int, host_ip: str, port: int, device: str) -> dict[str, str]:
+    """What MLX's nccl backend reads, for ``rank``: rank 0's address and a port it
+    listens on for the others (``NCCL_HOST_IP``, ``NCCL_PORT``), the group
+    (``MLX_RANK``, ``MLX_WORLD_SIZE``) and the one GPU it uses
+    (``CUDA_VISIBLE_DEVICES``; see :func:`cuda_device`)."""
+    return {
+        "NCCL_HOST_IP": host_ip,
+        "NCCL_PORT": str(int(port)),
+        "MLX_WORLD_SIZE": str(int(size)),
+        "MLX_RANK": str(int(rank)),
+        "CUDA_VISIBLE_DEVICES": device,
+    }
+
+
+def jaccl_env(
+    rank: int, size: int, coordinator: str, ring: bool = False
+) -> dict[str, str]:
+    """What MLX's jaccl backend reads, for ``rank``, besides ``MLX_IBV_DEVICES`` (the
+    path of a file holding :func:`ibv_devices`, written on the rank's host):
+    ``MLX_JACCL_COORDINATOR`` (``ip:port`` rank 0 listens on), ``MLX_RANK``,
+    ``MLX_WORLD_SIZE`` (jaccl takes the size from the device matrix; set for
+    code that reads it) and ``MLX_JACCL_RING=1`` for the ring variant."""
+    env = {
+        "MLX_JACCL_COORDINATOR": coordinator,
+        "MLX_RANK": str(int(rank)),
+        "MLX_WORLD_SIZE": str(int(size)),
+    }
+    if ring:
+        env["MLX_JACCL_RING"] = "1"
+    return env
 
 
 def from_list(spec: str | Sequence[str], n: int | None = None) -> Placement:

@@ -40,7 +40,9 @@ class MLXDistKernel(IPythonKernel):
     implementation_version = __version__
 
     n = Integer(config.N, help="number of ranks").tag(config=True)
-    backend = Unicode(str(config.BACKEND), help="MLX backend: ring or mpi").tag(config=True)
+    backend = Unicode(
+        str(config.BACKEND), help="MLX backend: " + ", ".join(b.value for b in config.Backend)
+    ).tag(config=True)
     launcher = Unicode("", help="a launcher's name (empty: by backend)").tag(config=True)
     timeout = Float(
         config.CELL_TIMEOUT, help="default deadline of a cell in seconds (0: none)"
@@ -165,8 +167,9 @@ def install(
 
     Args:
         n: number of ranks.
-        backend: ``ring`` or ``mpi``.
-        launcher: ``local`` or ``mpi`` (empty: by backend).
+        backend: a :class:`~mlx_nbdist.config.Backend` value (``ring``, ``mpi``,
+            ``nccl``, ``jaccl``).
+        launcher: a launcher's name (empty: by backend).
         name: kernelspec name (default :func:`kernel_name`).
         display_name: the name the front end shows.
         user: install for the current user instead of ``sys.prefix``.
@@ -178,8 +181,9 @@ def install(
 
     if not isinstance(n, int) or n < 1:
         raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
-    if backend not in ("ring", "mpi"):
-        raise SetupError(f"--backend must be ring or mpi, got {backend!r}")
+    names = [b.value for b in config.Backend]
+    if backend not in names:
+        raise SetupError(f"--backend must be one of {', '.join(names)}, got {backend!r}")
     spec = kernel_spec(n, backend, launcher)
     if display_name:
         spec["display_name"] = display_name

@@ -27,9 +27,18 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from traitlets import Bool, Dict, Float, Integer, Unicode
 
 from . import api, autopx, config, launchers, processes
-from .client import models
+from .client import checkpoint, models
 from .config import Backend
-from .errors import MLXDistError, NotStartedError, SetupError, ShardingError, StartError
+from .errors import (
+    CheckpointError,
+    MLXDistError,
+    NoProfileError,
+    NotStartedError,
+    SetupError,
+    ShardingError,
+    StartError,
+)
+from .history import ExportError, load_entry, note_entry, save_entry
 from .session import Session
 from .viz.cells import display_cell
 from .viz.live import LiveOutput
@@ -111,7 +120,7 @@ def _line_parser() -> _Parser:
     start.add_argument("--controller-ip", dest="controller_ip", default=None,
                        help="address of this machine that the hosts reach")
     start.add_argument("--python", default=None, help="Python interpreter on the hosts")
-    for name in ("stop", "status", "cleanup"):
+    for name in ("stop", "status", "cleanup", "where"):
         sub.add_parser(name, add_help=False)
     restart = sub.add_parser("restart", add_help=False)
     restart.add_argument("-n", type=_positive_int, default=None, help="change the number of ranks")
@@ -132,6 +141,28 @@ def _line_parser() -> _Parser:
     grad.add_argument("--text", action="store_true")
     check = sub.add_parser("check", add_help=False)
     check.add_argument("model")
+    save = sub.add_parser("save", add_help=False)
+    save.add_argument("model", help="the model's name on the ranks")
+    save.add_argument("dir", help="checkpoint folder")
+    save.add_argument("--optimizer", default=None, help="the optimizer's name on the ranks")
+    save.add_argument("--overwrite", action="store_true",
+                      help="replace another model's checkpoint in DIR")
+    save.add_argument("--tokenizer-from", dest="tokenizer_from", default=None,
+                      help="mlx-lm folder whose tokenizer files to keep (for consolidate)")
+    load = sub.add_parser("load", add_help=False)
+    load.add_argument("model", help="the model's name on the ranks (built as when saved)")
+    load.add_argument("dir", help="checkpoint folder")
+    load.add_argument("--optimizer", default=None, help="the optimizer's name on the ranks")
+    export = sub.add_parser("export", add_help=False)
+    export.add_argument("path", help="the script to write, e.g. train.py")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    tl = sub.add_parser("timeline", add_help=False)
+    tl.add_argument("k", nargs="?", type=_positive_int, default=1,
+                    help="the last K profiled cells")
+    tl.add_argument("--text", action="store_true", help="text instead of a figure")
+    tr = sub.add_parser("trace", add_help=False)
+    tr.add_argument("path", help="file to write, e.g. run.json")
+    tr.add_argument("-k", type=_positive_int, default=1, help="the last K profiled cells")
     dash = sub.add_parser("dashboard", add_help=False)
     dash.add_argument("--model", default=None, help="show this model's parameters per rank")
     dash.add_argument("--interval", type=_seconds, default=0.5, help="seconds between updates")
@@ -148,6 +179,8 @@ def _cell_parser() -> _Parser:
     p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")
     p.add_argument("--quiet", action="store_true", help="show only failing ranks")
     p.add_argument("--check-collectives", action="store_true", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="time every collective (evaluated where issued: no overlap)")
     return p
 
 
@@ -157,7 +190,9 @@ class MLXDist(Magics):
 
     n = Float(config.N, help="default number of ranks for %mlxdist start").tag(config=True)
     backend = Unicode(
-        str(config.BACKEND), help="default MLX backend: " + " or ".join(b.value for b in Backend)
+        "",
+        help="default MLX backend: " + " or ".join(b.value for b in Backend)
+        + " (empty: the hostfile's, else ring)",
     ).tag(config=True)
     launcher = Unicode(
         "", help=f"default launcher: {', '.join(launchers.LAUNCHERS)} (empty: by backend and hosts)"
@@ -184,7 +219,7 @@ class MLXDist(Magics):
     def mlxdist(self, line: str, cell: str | None = None) -> Any:
         """Run a cell on every rank (cell magic) or manage the session (line magic).
 
-        Line: ``%mlxdist start -n N [--backend ring|mpi] [--launcher local|mpi]``,
+        Line: ``%mlxdist start -n N [--backend ring|mpi|nccl|jaccl] [--launcher local|mpi]``,
         ``stop``, ``restart``, ``status``, ``cleanup``, ``dashboard [--model NAME]
         [--interval S]``, ``auto on|off``, and the model commands ``plan``, ``shard``,
         ``show``, ``gradsync``, ``check``.
@@ -195,11 +230,30 @@ class MLXDist(Magics):
         args = self._parse(_line_parser(), line)
         if args.cmd is None:
             raise UsageError(
-                "%mlxdist needs a command: start, stop, restart, status, cleanup, plan, "
-                "shard, show, gradsync, check, dashboard, auto on|off "
+                "%mlxdist needs a command: start, stop, restart, status, cleanup, where, "
+                "plan, shard, show, gradsync, check, save, load, export, timeline, trace, "
+                "dashboard, auto on|off "
                 "(or use %%mlxdist as a cell magic)"
             )
-        return getattr(self, f"_cmd_{args.cmd}")(args)
+        result = getattr(self, f"_cmd_{args.cmd}")(args)
+        self._record(args, line)
+        return result
+
+    @staticmethod
+    def _record(args: argparse.Namespace, line: str) -> None:
+        """A command that ran on the ranks (or looked at them), in the session's history:
+        a comment in an export (``shard`` records itself, as the line that replays it)."""
+        if args.cmd in _NOTES:
+            entry = note_entry(f"%mlxdist {line.strip()}")
+        elif args.cmd == "save":
+            entry = save_entry(args.model, args.dir, args.optimizer)
+        elif args.cmd == "load":
+            entry = load_entry(args.model, args.dir, args.optimizer)
+        else:
+            return
+        s = api.current_session(required=False)
+        if s is not None:
+            s.record(entry)
 
     @staticmethod
     def _parse(parser: _Parser, line: str) -> argparse.Namespace:
@@ -216,7 +270,7 @@ class MLXDist(Magics):
         multi = bool(args.hostfile or args.hosts or _hosts.in_slurm_allocation())
         # with hosts, None means one rank per hostfile entry / host / Slurm task
         n = args.n if multi else (args.n or int(self.n))
-        backend = args.backend or self.backend
+        backend = args.backend or self.backend or None
         timeout = _config_timeout(self.timeout)
         try:
             wait_for_start()
@@ -299,6 +353,39 @@ class MLXDist(Magics):
             return
         print(api.format_status(s.status()))
 
+    def _cmd_save(self, args: argparse.Namespace) -> Any:
+        return self._guard(lambda: checkpoint.save(
+            args.model, args.dir, args.optimizer, overwrite=args.overwrite,
+            tokenizer_from=args.tokenizer_from, session=self._session()))  # fmt: skip
+
+    def _cmd_load(self, args: argparse.Namespace) -> Any:
+        return self._guard(lambda: checkpoint.load(
+            args.model, args.dir, args.optimizer, session=self._session()))  # fmt: skip
+
+    def _cmd_export(self, args: argparse.Namespace) -> None:
+        s = self._session(allow_stopped=True)
+        path = self._guard(lambda: s.export(args.path, overwrite=args.overwrite))
+        print(f"wrote {path}: run it with `mlx.launch -n {s.n} --backend {s.backend} -- "
+              f"python {path.name}` or `python -m mlx_nbdist run -n {s.n} {path.name}`")
+
+    def _cmd_timeline(self, args: argparse.Namespace) -> Any:
+        from .viz import format_timeline
+
+        tl = self._guard(lambda: self._session().timeline(args.k))
+        if args.text:
+            print(format_timeline(tl))
+            return None
+        print(tl.summary())
+        return tl.figure()
+
+    def _cmd_trace(self, args: argparse.Namespace) -> None:
+        path = self._guard(lambda: self._session().trace(args.path, args.k))
+        print(f"wrote {path}: open it in https://ui.perfetto.dev or chrome://tracing")
+
+    def _cmd_where(self, args: argparse.Namespace) -> None:
+        stacks = api.current_session().where()  # type: ignore[union-attr]
+        print("\n".join(st.format() for st in stacks.values()))
+
     def _cmd_plan(self, args: argparse.Namespace) -> Any:
         sharding = self._guard(models.parse_sharding, args.sharding)
         return self._guard(lambda: models.plan(args.model, sharding, segments=args.segments,
@@ -362,6 +449,9 @@ class MLXDist(Magics):
     def local(self, line: str, cell: str) -> None:
         """``%%local``: run this cell here, on the notebook's client (for auto mode)."""
         self.shell.run_cell(cell, store_history=False)
+        s = api.current_session(required=False)
+        if s is not None:
+            s.record(note_entry("%%local", cell))
 
     def _cmd_cleanup(self, args: argparse.Namespace) -> None:
         from .processes import cleanup
@@ -394,6 +484,8 @@ class MLXDist(Magics):
                     on_tick=live.tick,
                     on_output=view,  # its flush() shows throttled updates on each poll
                     output_limit=self.output_limit,
+                    name=f"In [{self.shell.execution_count}]",
+                    profile=args.profile,
                 )
         except ValueError as e:  # bad --timeout
             raise UsageError(f"%%mlxdist: {e}") from None
@@ -431,7 +523,7 @@ class MLXDist(Magics):
     def _guard(fn: Any, *a: Any) -> Any:
         try:
             return fn(*a)
-        except (SetupError, ShardingError) as e:
+        except (SetupError, ShardingError, CheckpointError, NoProfileError, ExportError) as e:
             raise UsageError(str(e)) from None
 
 
@@ -461,6 +553,9 @@ def _describe(s: Session, ranks: bool = False) -> str:
 
 
 _DASHBOARD: Any = None
+#: commands that only look at the ranks: comments in an export
+_NOTES = {"plan", "show", "gradsync", "check", "timeline", "trace", "where", "status",
+          "dashboard"}
 
 
 def wait_for_start() -> None:

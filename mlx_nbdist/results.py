@@ -67,6 +67,54 @@ class CollectiveRecord:
         return cls(**{**known, "shape": tuple(d.get("shape", ()))})
 
 
+@dataclass(frozen=True)
+class Frame:
+    """One frame: where (file, line) and in which function.
+
+    ``cell`` names the cell when the file is one the session ran (``In [7]`` from
+    the magic, ``cell #3`` from :meth:`Session.run`), and ``text`` is that cell's
+    line (``""`` when the source is not known here).
+    """
+
+    file: str
+    line: int
+    func: str
+    cell: str | None = None
+    text: str = ""
+
+    def where(self) -> str:
+        place = self.cell if self.cell is not None else self.file
+        return f"{place}, line {self.line}, in {self.func}"
+
+
+@dataclass
+class RankStack:
+    """Rank ``rank``'s main thread, outermost frame first (``frames``), trimmed to
+    the user's code; ``note`` says why there is none (no answer, no signal...)."""
+
+    rank: int
+    frames: list[Frame] = field(default_factory=list)
+    note: str = ""
+
+    def innermost(self) -> Frame | None:
+        """The innermost frame in a cell, else the innermost frame."""
+        cells = [f for f in self.frames if f.cell is not None]
+        return (cells or self.frames or [None])[-1]
+
+    def format(self) -> str:
+        """The stack as a traceback's lines, innermost last."""
+        if not self.frames:
+            return f"rank {self.rank}: no stack ({self.note or 'none was written'})"
+        lines = [f"rank {self.rank} is at {self.innermost().where()}"]  # type: ignore[union-attr]
+        for f in self.frames:
+            lines.append(f"  {f.where()}")
+            if f.text:
+                lines.append(f"    {f.text.strip()}")
+        if self.note:
+            lines.append(f"  ({self.note})")
+        return "\n".join(lines)
+
+
 @dataclass
 class RankFailure:
     """Why one rank did not finish a cell normally."""
@@ -78,6 +126,8 @@ class RankFailure:
     traceback: list[str] = field(default_factory=list)
     #: Collectives the rank had issued in this cell and not seen matched (newest last).
     pending: list[CollectiveRecord] = field(default_factory=list)
+    #: where its main thread was when mlx_nbdist stopped or released it
+    stack: RankStack | None = None
 
     def headline(self) -> str:
         if self.cause == ERROR:
@@ -87,9 +137,18 @@ class RankFailure:
         if self.cause == PAUSED:
             return f"[rank {self.rank}] was paused: {self.evalue}"
         where = f" in {self.pending[-1].describe()}" if self.pending else ""
+        where += self.stopped_at()
         if self.cause == DRAINED:
             return f"[rank {self.rank}] was stuck{where}; released by replaying it on its peers"
         return f"[rank {self.rank}] ended by mlx_nbdist ({self.evalue}){where}"
+
+    def stopped_at(self) -> str:
+        """`` at cell [3], line 4: y = ...`` where its stack says it was (or ``""``)."""
+        inner = self.stack.innermost() if self.stack is not None else None
+        if inner is None:
+            return ""
+        text = f": {inner.text.strip()}" if inner.text.strip() else ""
+        return f" at {inner.where()}{text}"
 
 
 @dataclass
@@ -154,6 +213,8 @@ class RankInfo:
     device: str
     size: int
     backend: str
+    #: its main thread's id, as a stack dump names it (``None``: dumps unavailable)
+    main_thread: int | None = None
 
 
 class RankStatus(TextEnum):

@@ -58,12 +58,32 @@ def write_ring_hostfile(path: Path, endpoints: list[list[str]]) -> Path:
     return write_private(path, json.dumps(endpoints))
 
 
-def log_tail(directory: Path, lines: int = 15) -> str:
-    """The last lines of the engines' and controller's logs, for error messages."""
+def log_tail(directory: Path, lines: int = 15, prefix: str = "", files: int = 3) -> str:
+    """The last lines of the engines' and controller's logs, for error messages
+    (``prefix``: only logs whose name starts so, e.g. ``ipengine``; ``files``: the
+    most recently written this many)."""
     folder = directory / "profile" / "log"
-    logs = sorted([*folder.glob("*.log"), *folder.glob("*.out")], key=lambda p: p.stat().st_mtime)
+    logs = sorted(
+        (p for p in [*folder.glob("*.log"), *folder.glob("*.out")] if p.name.startswith(prefix)),
+        key=lambda p: p.stat().st_mtime,
+    )
     out = []
-    for p in logs[-3:]:
+    for p in logs[-files:]:
         text = p.read_text(errors="replace").splitlines()[-lines:]
         out.append(f"--- {p.name}\n" + "\n".join(text))
     return "\n".join(out)
+
+
+def discard(directory: Path) -> bool:
+    """Remove a cleanly stopped session's folder (records, logs, status files), unless
+    it holds output a cell's message pointed to (``output/``: a rank's output past
+    the limit), which the user may still open; those folders go with the other
+    stopped sessions' (see :func:`mlx_nbdist.processes.prune`). Returns whether it
+    was removed."""
+    import shutil
+
+    output = directory / "output"
+    if output.is_dir() and any(output.iterdir()):
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not directory.exists()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .config import Policy
-from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure
+from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure, RankStack
 
 _RECV = ("recv", "recv_like")
 
@@ -51,6 +51,7 @@ class Ranks(Protocol):
         self, plan: dict[int, list[dict[str, Any]]], timeout: float
     ) -> tuple[dict[int, list[str]], list[int]]: ...
     def infrastructure_problem(self) -> str: ...
+    def rank_stacks(self, ranks: list[int]) -> dict[int, RankStack]: ...
 
 
 @dataclass
@@ -106,6 +107,8 @@ class Supervisor:
         self._drained = False
         self._alive_at = time.monotonic()  # the session checked them before dispatch
         self._recv_wait: tuple[Any, float] | None = None  # (what, since) for deadlocks
+        #: where stuck ranks were when first found stuck (see :meth:`_take_stacks`)
+        self._stacks: dict[int, RankStack] = {}
 
     # -- helpers ------------------------------------------------------------------
     def _pending(self) -> list[int]:
@@ -142,12 +145,25 @@ class Supervisor:
     def _mark(self, ranks: list[int], cause: str, why: str) -> None:
         for r in ranks:
             self.out.failures[r] = RankFailure(
-                rank=r, cause=cause, evalue=why, pending=self._cell_records(r)[-3:]
+                rank=r, cause=cause, evalue=why, pending=self._cell_records(r)[-3:],
+                stack=self._stacks.get(r),
             )
+
+    def _take_stacks(self, ranks: list[int]) -> None:
+        """Ask ``ranks`` where they are, once each (the first time they are found
+        stuck, before any signal moves them); a failure to ask never fails the cell."""
+        ask = [r for r in ranks if r not in self._stacks and self.s.rank_alive(r)]
+        if not ask:
+            return
+        try:
+            self._stacks.update(self.s.rank_stacks(ask))
+        except Exception:  # noqa: BLE001 - stacks explain a failure; they are not it
+            pass
 
     def _end(self, ranks: list[int], why: str, cause: str = KILLED) -> None:
         if not ranks:
             return
+        self._take_stacks(ranks)
         self._mark([r for r in ranks if r not in self.out.failures], cause, why)
         self.s.kill_ranks(ranks, signal.SIGKILL)
         self.out.broken = self.out.broken or why
@@ -307,6 +323,7 @@ class Supervisor:
             return False  # computing, not waiting on a peer: the deadline governs
         if not self._drained:
             self._drained = True
+            self._take_stacks(stuck)
             if self._drain(stuck, finished):
                 return not self._running()
         self._end(stuck, "stuck in a collective after a peer failed")
@@ -378,6 +395,7 @@ class Supervisor:
                     cause=DRAINED,
                     evalue="released by replaying its collective on the ranks that skipped it",
                     pending=self._cell_records(r)[-3:],
+                    stack=self._stacks.get(r),
                 ),
             )
         self.out.summary = (
@@ -400,6 +418,7 @@ class Supervisor:
             return
         self.out.needs_alignment = True
         try:
+            self._take_stacks(pending)  # where the deadline or the interrupt found them
             self.s.kill_ranks(pending, signal.SIGINT)
             t_end = time.monotonic() + self.policy.interrupt_grace
             while self._running() and time.monotonic() < t_end:

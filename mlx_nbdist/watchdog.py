@@ -16,8 +16,9 @@ ranks. It runs on the notebook's machine and
   is still known;
 * when the notebook is gone, SIGKILLs all of them (a PID whose start time does not
   match belongs to someone else and is spared; a signal needs no GIL), removes the
-  session's shared-memory segments (``/dev/shm/mlxnb-<session id>-*``, see
-  :mod:`mlx_nbdist.engine.transfer`) and its ranks' private status folders
+  session's shared-memory segments (``/dev/shm/mlxnb-<session id>-*``, and the POSIX
+  segments named in the ranks' registries, ``<tmp>/mlxnb-<session id>-segments-*.json``;
+  see :mod:`mlx_nbdist.engine.transfer`) and its ranks' private status folders
   (``<tmp>/mlx_nbdist-<session id>-rank*``), marks the record stopped and exits;
 * exits without touching anything when the record says ``stopped``
   (:meth:`Session.stop` ended everything), when the session directory is gone, or
@@ -27,9 +28,11 @@ It is detached from the notebook (its parent exits at once, so init adopts it) i
 session of its own: neither the kernel's death nor a signal to the kernel's process
 group reaches it, and it never becomes the kernel's zombie. It runs as a plain
 script (psutil and the standard library only), not as ``-m mlx_nbdist.watchdog``:
-importing the package would load MLX. Its log is ``watchdog.log`` in the session
-directory. Works wherever psutil does (Linux, macOS); where there is no
-``/dev/shm`` (macOS) the session has no segments and that step is skipped.
+importing the package would load MLX; it loads :mod:`mlx_nbdist.platform` (standard
+library only) by its path. Its log is ``watchdog.log`` in the session directory.
+Works wherever psutil does (Linux, macOS); where there is no ``/dev/shm`` (macOS) or
+in portable mode it looks at no ``/dev/shm`` path and removes the POSIX segments the
+registries name (``shm_unlink``), which cannot be listed there.
 
 :func:`mlx_nbdist.processes.cleanup` uses the same functions (:func:`reap`) for
 sessions whose notebook died without a watchdog.
@@ -38,6 +41,7 @@ sessions whose notebook died without a watchdog.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -49,9 +53,29 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
+
+
+def _platform() -> ModuleType:
+    """:mod:`mlx_nbdist.platform`: imported in the package, loaded by path when this
+    file runs as a script (importing the package would load MLX)."""
+    if __package__:
+        from . import platform
+
+        return platform
+    path = Path(__file__).with_name("platform.py")
+    spec = importlib.util.spec_from_file_location("mlx_nbdist_platform", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+platform = _platform()
 
 #: seconds between two looks at the notebook's process and the record
 INTERVAL = 0.5
@@ -273,10 +297,56 @@ def wait_gone(pids: Pids, timeout: float) -> Pids:
 
 # --------------------------------------------------------------------------- files
 def shm_segments(session_id: str) -> list[Path]:
-    """This user's shared-memory segments of the session (none without /dev/shm)."""
+    """This user's ``/dev/shm`` segment files of the session (none without /dev/shm,
+    or in portable mode)."""
     if not session_id or not _SID.match(session_id) or not SHM_DIR.is_dir():
         return []
+    if platform.portable():
+        return []
     return [p for p in SHM_DIR.glob(f"mlxnb-{glob.escape(session_id)}-*") if _owned(p)]
+
+
+def registries(session_id: str) -> list[Path]:
+    """This user's registries of the session's POSIX segments, one per rank process
+    (``engine.transfer.registry``: ``<tmp>/mlxnb-<session id>-segments-<pid>.json``)."""
+    if not session_id or not _SID.match(session_id):
+        return []
+    tmp = Path(tempfile.gettempdir())
+    found = tmp.glob(f"mlxnb-{glob.escape(session_id)}-segments-[0-9]*.json")
+    return [p for p in found if p.is_file() and not p.is_symlink() and _owned(p)]
+
+
+def registered_names(reg: Path) -> list[str]:
+    """The segment names a registry lists (those our ranks make: ``/mlxnb.*``)."""
+    try:
+        names = json.loads(reg.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if isinstance(n, str) and n.startswith("/mlxnb.")]
+
+
+def unlink_registered(regs: list[Path]) -> int:
+    """Unlink the POSIX segments that registries (this user's) name, then the
+    registries; returns how many segments were still there."""
+    removed = 0
+    for reg in regs:
+        if reg.is_symlink() or not _owned(reg):
+            continue
+        if platform.has_posix_shm():
+            for name in registered_names(reg):
+                try:
+                    removed += platform.shm_unlink(name)
+                except (OSError, ValueError):
+                    continue
+        reg.unlink(missing_ok=True)
+    return removed
+
+
+def remove_registered(session_id: str) -> int:
+    """Unlink the POSIX segments the session's registries name (:func:`unlink_registered`)."""
+    return unlink_registered(registries(session_id))
 
 
 def rank_folders(session_id: str) -> list[Path]:
@@ -290,8 +360,9 @@ def rank_folders(session_id: str) -> list[Path]:
 
 
 def remove_files(session_id: str) -> tuple[int, int]:
-    """Remove the session's segments and rank folders; returns how many of each."""
-    segs = 0
+    """Remove the session's segments (files and registered POSIX ones) and rank
+    folders; returns how many of each."""
+    segs = remove_registered(session_id)
     for p in shm_segments(session_id):
         try:
             p.unlink()
@@ -308,7 +379,7 @@ def remove_files(session_id: str) -> tuple[int, int]:
 
 
 def leftovers(session_id: str) -> bool:
-    return bool(shm_segments(session_id) or rank_folders(session_id))
+    return bool(shm_segments(session_id) or registries(session_id) or rank_folders(session_id))
 
 
 def _owned(p: Path) -> bool:

@@ -6,6 +6,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -88,6 +89,16 @@ def session2() -> Iterator[Session]:
     s = Session(2, timeout=60).start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def lm() -> dict[str, Any]:
+    """The tiny mlx-lm models' helpers (tests/lm_models.py), run in this process."""
+    from .lm_models import LM_COMMON
+
+    ns: dict[str, Any] = {}
+    exec(LM_COMMON, ns)  # noqa: S102 - our own code, the same the ranks run
+    return ns
 
 
 @pytest.fixture

@@ -261,6 +261,40 @@ def test_dashboard_follows_ranks_busy_idle_error(session2: Session) -> None:
     assert not dash.polling
 
 
+def test_dashboard_memory_history_where_and_collectives(session2: Session) -> None:
+    dash = Dashboard(session2, interval=0.2, subshell=False)
+    try:
+        # memory over time: samples of every rank, RSS as the ranks publish it
+        mem = poll(lambda: (lambda m: m if len(m) == 2 and all(
+            v["samples"] >= 3 for v in m.values()) else None)(dash.values()["memory"]))  # fmt: skip
+        for r in (0, 1):
+            assert mem[r]["rss"] > 10 << 20 and mem[r]["low"] == ""  # 24 GiB: not low
+        assert "<svg" in dash.memory_box.value and "rank 1" in dash.memory_box.value
+        # [Where] while a cell runs: the ranks' lines in it
+        out: list[BaseException] = []
+
+        def cell() -> None:
+            try:
+                session2.run("import time\ntime.sleep(3)")
+            except BaseException as e:  # noqa: BLE001
+                out.append(e)
+
+        t = threading.Thread(target=cell)
+        t.start()
+        poll(lambda: busy_now(dash, session2))
+        said = dash.where()
+        t.join(30)
+        assert not out and "in cell code: [0, 1]" in said, said
+        assert dash.where_box.value.count("time.sleep(3)") == 2
+        # the last profiled cell's collectives
+        assert dash.values()["comm"] == ""
+        session2.run("mx.eval(mx.distributed.all_sum(mx.ones(256), group=world))", profile=True)
+        comm = poll(lambda: dash.values()["comm"])
+        assert "all_sum at" in comm and "on ring (probe:" in comm
+    finally:
+        dash.close()
+
+
 def test_dashboard_model_shard_shapes(session2: Session) -> None:
     session2.run(
         "from mlx.nn.layers.distributed import shard_linear\n"

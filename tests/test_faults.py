@@ -103,6 +103,11 @@ def test_deadline_stops_a_sleeping_rank_with_sigint_and_drains_its_peer(fresh2: 
     assert "all_sum shape=(2, 3) dtype=float32" in text
     assert info.value.result.ranks[1].failure.ename == "KeyboardInterrupt"
     assert info.value.result.ranks[0].status == DRAINED
+    # where the deadline found the waiting rank: its line in this cell
+    stack = info.value.result.ranks[0].failure.stack
+    assert stack is not None and stack.innermost().line == 4, stack
+    assert stack.innermost().text.startswith("mx.eval(mx.distributed.all_sum(")
+    assert "at cell #" in text and ", line 4, in <module>: mx.eval(" in text
     assert "in step" in text and not info.value.result.valid
     assert fresh2.state == "ready"  # proven in step, not guessed
     assert_works(fresh2)
@@ -118,6 +123,8 @@ def test_deadline_ends_a_rank_that_ignores_sigint(fresh2: Session) -> None:
         fresh2.run(code, timeout=3)
     assert time.monotonic() - t0 < 15
     assert info.value.result.ranks[1].status == KILLED
+    # the rank that ignored SIGINT was ended: the error says where it was
+    assert ", line 4, in <module>: time.sleep(600)" in str(info.value)
     assert fresh2.state == "broken"
     fresh2.restart()
     assert_works(fresh2)
@@ -179,6 +186,37 @@ def _interrupt_after(seconds: float):
 def _no_interrupt(old) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
+
+
+def test_where_shows_every_rank_while_a_cell_hangs(fresh2: Session) -> None:
+    code = (
+        "import time\ndef wait_here():\n    time.sleep(600)\n"
+        "if rank == 1:\n    wait_here()\n"
+        "mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))"
+    )
+    errors: list[BaseException] = []
+
+    def cell() -> None:
+        try:
+            fresh2.run(code, timeout=6)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=cell)
+    t.start()
+    time.sleep(2.0)
+    stacks = fresh2.where()  # from another thread, while the cell runs
+    t.join(60)
+    assert not t.is_alive() and isinstance(errors[0], CollectiveTimeout)
+    r0, r1 = stacks[0].innermost(), stacks[1].innermost()
+    assert r0 is not None and r0.line == 6 and "all_sum" in r0.text, stacks[0]
+    # rank 1 is inside a function of the cell: both frames, innermost last
+    assert [(f.func, f.line) for f in stacks[1].frames] == [("<module>", 5), ("wait_here", 3)]
+    assert r1 is not None and r1.text.strip() == "time.sleep(600)"
+    assert stacks[1].format().splitlines()[0].endswith(", line 3, in wait_here")
+    after = fresh2.where()  # between cells: idle, and the session still works
+    assert all(st.note.startswith("idle") for st in after.values()), after
+    assert_works(fresh2)
 
 
 def test_interrupt_during_hung_collective(fresh2: Session) -> None:

@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from mlx_nbdist import CellError, Session, SetupError
+from mlx_nbdist import CellError, Session, SessionBrokenError, SetupError, StartError
+from mlx_nbdist.launchers.local import LocalLauncher
 from mlx_nbdist.results import DRAINED, ERROR
 from mlx_nbdist.session import OversubscribedWarning
 
@@ -82,3 +83,62 @@ def test_missing_mpirun_names_the_package(monkeypatch, tmp_path) -> None:
 def test_mpi_backend_needs_mpi_launcher() -> None:
     with pytest.raises(SetupError, match="--backend mpi needs --launcher mpi"):
         Session(2, backend="mpi", launcher="local").start()
+
+
+# -- starts whose ranks exit early, and what a stop leaves behind ------------------------
+def test_mpi_ranks_that_exit_at_once_fail_the_start_with_their_own_error(monkeypatch) -> None:
+    """mpirun exits when its ranks do; the start says so with the ranks' message (it
+    waited for the whole start timeout before, then said "0 of 2 registered")."""
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "/nonexistent/libmpi.so.40")
+    s = Session(2, backend="mpi", start_timeout=60)
+    with pytest.raises(StartError) as info:
+        s.start()
+    msg = str(info.value)
+    assert "the engines exited while starting (mpi launcher's process" in msg
+    assert "MLX_MPI_LIBNAME='/nonexistent/libmpi.so.40'" in msg  # the ranks' own text
+    assert "registered within" not in msg  # not the timeout
+    # the message cites the logs' folder, which a failed start keeps
+    assert s.directory is not None and (s.directory / "profile" / "log").is_dir()
+    assert str(s.directory / "profile" / "log") in msg
+    assert s.state == "stopped" and s.processes() == []
+
+
+def test_local_engines_that_fail_at_import_fail_the_start_with_their_traceback(
+    monkeypatch, tmp_path
+) -> None:
+    broken = tmp_path / "ipyparallel"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('this ipyparallel is broken on purpose')\n")
+    plain = LocalLauncher.engine_env
+    # only the engines see it (the controller, started first, imports the real one)
+    monkeypatch.setattr(
+        LocalLauncher, "engine_env", lambda self: {**plain(self), "PYTHONPATH": str(tmp_path)}
+    )
+    s = Session(2, start_timeout=60)
+    with pytest.raises(StartError) as info:
+        s.start()
+    msg = str(info.value)
+    assert "the engines exited while starting (engine pid" in msg and "exit code 1" in msg
+    assert "ImportError: this ipyparallel is broken on purpose" in msg
+    assert "registered within" not in msg
+    assert s.state == "stopped"
+
+
+def test_a_clean_stop_removes_the_session_folder_a_broken_one_keeps_it() -> None:
+    s = Session(2, timeout=60).start()
+    folder = s.directory
+    assert folder is not None and (folder / "session.json").is_file()
+    s.run("x = rank")
+    s.stop()
+    assert not folder.exists()
+    assert s.status().state == "stopped"
+    # a broken session's logs stay for reading (pruned with the other stopped sessions)
+    s.start()
+    folder = s.directory
+    try:
+        with pytest.raises((CellError, SessionBrokenError)):
+            s.run("import os\nif rank == 1:\n    os._exit(3)\nmx.eval(mx.distributed.all_sum(mx.ones(2), group=world))")
+        assert s.state == "broken"
+    finally:
+        s.stop()
+    assert folder.is_dir() and (folder / "session.json").is_file()

@@ -24,11 +24,13 @@ from typing import Any
 import psutil
 import pytest
 
-from mlx_nbdist import Session, processes, runtime
+from mlx_nbdist import Session, platform, processes, runtime
 
 from .conftest import is_ours, listening_ports, wait_gone
 
 SHM = Path("/dev/shm")
+#: sessions here make segment files in /dev/shm (Linux, not portable mode)
+DEV_SHM = SHM.is_dir() and not platform.portable()
 TMP = Path(tempfile.gettempdir())
 #: a cell that holds the GIL for hours (the regex engine never lets go of it)
 GIL_HOG = "import re\nre.match('(a+)+$', 'a' * 40 + 'b')"
@@ -214,6 +216,8 @@ def test_stop_after_the_controller_died_leaves_no_scheduler(fresh2: Session) -> 
     assert not ports & listening_ports()
 
 
+@pytest.mark.skipif(not DEV_SHM, reason="makes and counts Linux's /dev/shm segment files "
+                    "(macOS and portable mode: tests/test_portable.py)")
 def test_kernel_death_removes_segments_and_rank_folders(tmp_path) -> None:
     """Ranks that do not see the session directory (``assume_remote``) publish into
     folders of their own; each rank holds a shared-memory segment the notebook never
@@ -302,7 +306,7 @@ def test_watchdog_ends_a_dead_notebooks_processes_but_spares_reused_pids(tmp_pat
         _record(d, sid, notebook.pid, _started(notebook.pid),
                 [[ours.pid, _started(ours.pid)], [bystander.pid, _started(bystander.pid) - 100]])
         seg = SHM / f"mlxnb-{sid}-{ours.pid}-0"
-        if SHM.is_dir():
+        if DEV_SHM:
             seg.write_bytes(b"x")
         folder = Path(tempfile.mkdtemp(prefix=f"mlx_nbdist-{sid}-rank0-"))
         wd = watchdog.start(d, notebook.pid, _started(notebook.pid))
@@ -391,7 +395,7 @@ def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None
         sid = _sid()
         _record(root / sid, sid, notebook.pid, _started(notebook.pid),
                 [[orphan.pid, _started(orphan.pid)]])
-        segs = [SHM / f"mlxnb-{sid}-{orphan.pid}-{k}" for k in range(3)] if SHM.is_dir() else []
+        segs = [SHM / f"mlxnb-{sid}-{orphan.pid}-{k}" for k in range(3)] if DEV_SHM else []
         for p in segs:
             p.write_bytes(b"x")
         folders = [Path(tempfile.mkdtemp(prefix=f"mlx_nbdist-{sid}-rank{r}-")) for r in (0, 1)]
@@ -415,7 +419,7 @@ def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None
         other = _sid()
         gone_seg = SHM / f"mlxnb-{other}-{notebook.pid}-0"
         live_seg = SHM / f"mlxnb-{other}-{os.getpid()}-1"
-        if SHM.is_dir():
+        if DEV_SHM:
             gone_seg.write_bytes(b"x")
             live_seg.write_bytes(b"x")
             made += [gone_seg, live_seg]
@@ -430,7 +434,7 @@ def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None
         assert bystander.poll() is None
         assert not any(p.exists() for p in segs + folders)
         assert json.loads((root / sid / "session.json").read_text())["state"] == "stopped"
-        if SHM.is_dir():
+        if DEV_SHM:
             assert not gone_seg.exists() and live_seg.exists()
             assert any("left by sessions with no record" in line for line in lines), lines
         # pruned: the 2 old ones and the 3 beyond the newest 20 (the dead session's is

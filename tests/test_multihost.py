@@ -187,8 +187,8 @@ def test_launcher_registry_feeds_the_magic_and_names_bad_input() -> None:
     assert list(choices) == list(launchers.LAUNCHERS)
     with pytest.raises(SetupError, match="unknown launcher 'srun'; choose one of local, ssh, mpi"):
         launchers.create("srun", None, 2)
-    with pytest.raises(SetupError, match="unknown backend 'nccl'"):
-        Session(2, backend="nccl")
+    with pytest.raises(SetupError, match="unknown backend 'gloo'; choose one of ring, mpi, nccl, jaccl"):
+        Session(2, backend="gloo")
     with pytest.raises(SetupError, match="--launcher ssh needs hosts"):
         launchers.create("ssh", None, 2).check(launchers.backend_of("ring"))
     with pytest.raises(SetupError, match="--backend mpi needs --launcher mpi"):
@@ -513,3 +513,18 @@ def test_a_wrong_address_in_the_hostfile_names_the_host(net: Net, tmp_path: Path
     while net.pids() and time.monotonic() < t_end:
         time.sleep(0.2)
     assert net.pids() == []
+
+
+def test_hostfile_rdma_and_backend_are_read(tmp_path: Path) -> None:
+    """jaccl's hostfile: ``rdma`` kept per rank, ``backend`` the session's default."""
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps({"backend": "jaccl", "hosts": [
+        {"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, ["rdma_en2", "rdma_en3"]]},
+        {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]},
+    ]}))
+    p = H.read_hostfile(f)
+    assert p.hosts[0].rdma == (None, ("rdma_en2", "rdma_en3")) and p.hosts[1].rdma == ("rdma_en2", None)
+    assert H.ibv_devices(p) == [[None, ["rdma_en2", "rdma_en3"]], ["rdma_en2", None]]
+    s = Session(hostfile=f)
+    assert (s.backend, s.launcher) == ("jaccl", "ssh")
+    assert Session(hostfile=f, backend="ring").backend == "ring"  # the explicit one wins

@@ -54,7 +54,12 @@ EXPECTED = {
            "tok/s", "same tokens as the unsharded model: True", "refused: lora"],
     "06": ["Drained", "CollectiveTimeout after", "CellInterrupted after", "engine process died",
            "never received", "is in step", "exit code 3",
-           "collective mismatch", "would wait forever"],
+           "collective mismatch", "would wait forever", ", in load_batch",
+           "mostly for rank 1", "trace events, ranks [0, 1]"],
+    "08": ["resharded from 2 to 1 ranks", "same losses as the notebook: True",
+           "max |resumed - uninterrupted|", "plain MLX, consolidated weights",
+           "# %mlxdist save model", "model = mlx_nbdist.shard(model, 'megatron', segments=1)",
+           "[rank 1] step 5: loss"],
 }
 DOWNLOADS = re.compile(
     r"urllib|requests\.|urlretrieve|wget|curl |from_pretrained|hf_hub|huggingface|load_dataset"
@@ -152,8 +157,8 @@ def _figure_cells(nb: object) -> list[object]:
     return [c for c in nb.cells if FIGURE_TAG in c.get("metadata", {}).get("tags", [])]
 
 
-def test_there_are_seven_tutorials() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+def test_there_are_eight_tutorials() -> None:
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

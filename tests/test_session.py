@@ -98,7 +98,7 @@ def test_bad_arguments_are_refused_up_front() -> None:
         with pytest.raises(SetupError, match="-n must be"):
             Session(n)  # type: ignore[arg-type]
     with pytest.raises(SetupError, match="unknown backend"):
-        Session(1, backend="nccl").start()
+        Session(1, backend="gloo").start()
     with pytest.raises(NotStartedError):
         Session(1).run("1")
 
@@ -117,8 +117,7 @@ def test_stop_leaves_no_process_and_no_port() -> None:
     s.stop()
     assert wait_gone(pids, timeout=0.3) == []  # ended by stop, not left to exit later
     assert not (ports | ring_ports) & listening_ports()
-    record = json.loads((s.directory / "session.json").read_text())
-    assert record["state"] == "stopped"
+    assert not s.directory.exists()  # a clean stop leaves no session folder
 
 
 def test_one_rank_session_works() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 import zmq
 
 import mlx_nbdist
-from mlx_nbdist import CellError, Session, ShardingError
+from mlx_nbdist import CellError, Session, ShardingError, platform
 from mlx_nbdist.engine.sharding import FSDP_NO_GRADIENTS
 from mlx_nbdist.results import TensorSlice
 from mlx_nbdist.session import OversubscribedWarning
@@ -88,6 +89,12 @@ y = mx.random.normal((BATCH, D_OUT), key=mx.random.key(2))
 """
 
 TP_KINDS = ["AllToShardedLinear", "ReLU", "ShardedToAllLinear"]
+#: the tests of the Linux slice routes (tests/test_portable.py covers the others)
+LINUX_ROUTES = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.portable(),
+    reason="asserts Linux's slice routes (a pool of /dev/shm files, process_vm_readv), "
+    "which macOS and portable mode (MLX_NBDIST_PORTABLE) do not take",
+)
 PARAMS = ["layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
 
 
@@ -421,6 +428,7 @@ def test_slices_with_segments(s2, ref):
     assert all(float(np.abs(o - want).max()) < 1e-5 for o in s2.pull("seg_out").values())
 
 
+@LINUX_ROUTES
 def test_slices_sample_and_zero_copy(s2):
     s2.run('zc = mlx_nbdist.shard(build(), "megatron")')
     whole = mlx_nbdist.slices("zc.layers.0.weight", session=s2)
@@ -461,6 +469,7 @@ def test_slices_sample_and_zero_copy(s2):
         assert isinstance(buffer_owner(values), bytes)
 
 
+@LINUX_ROUTES
 def test_slices_shared_memory_pool(s2):
     """Slices of 1 MiB and more end up in shared-memory segments: the rank copies,
     the notebook's array is the segment; a segment is reused once no array uses it."""

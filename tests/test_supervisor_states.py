@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from mlx_nbdist.results import DIED, DRAINED, KILLED, PAUSED
+from mlx_nbdist.results import DIED, DRAINED, KILLED, PAUSED, Frame, RankStack
 from mlx_nbdist.supervise import Policy, Supervisor
 
 FAST = dict(failure_grace=0.2, drain_timeout=0.5, interrupt_grace=0.2, deadlock_grace=0.3,
@@ -41,6 +41,10 @@ class FakeRanks:
         self.drain_plans: list[dict[int, list[dict[str, Any]]]] = []
         #: what a drain does: {rank: True (completes, releases the stuck) | False (blocks)}
         self.drain_completes: dict[int, bool] = {}
+        #: each rank's stack when asked, and the ranks asked, in order
+        self.stacks = {r: RankStack(r, [Frame("c.py", 3 + r, "<module>", cell="In [9]",
+                                              text=f"step_{r}()")]) for r in range(n)}
+        self.stacks_asked: list[list[int]] = []
 
     def issue(self, rank: int, op: str, peer: int | None = None, cell: int | None = None) -> None:
         r = self.records[rank]
@@ -86,6 +90,10 @@ class FakeRanks:
 
     def infrastructure_problem(self) -> str:
         return self.infra
+
+    def rank_stacks(self, ranks: list[int]) -> dict[int, RankStack]:
+        self.stacks_asked.append(list(ranks))
+        return {r: self.stacks[r] for r in ranks}
 
 
 def supervise(fake: FakeRanks, timeout: float | None = 10.0):
@@ -173,6 +181,44 @@ def test_deadline_sends_sigint_before_sigkill() -> None:
     fake.finish(0)
     supervise(fake, timeout=0.2)
     assert [sig for _, sig in fake.signals] == [signal.SIGINT, signal.SIGKILL]
+
+
+def test_the_deadline_takes_stuck_ranks_stacks_once_before_any_signal() -> None:
+    fake = FakeRanks(n=3)
+    fake.finish(0)
+    signals_when_asked = []
+    ask = fake.rank_stacks
+
+    def rank_stacks(ranks):
+        signals_when_asked.append(len(fake.signals))
+        return ask(ranks)
+
+    fake.rank_stacks = rank_stacks  # type: ignore[method-assign]
+    out = supervise(fake, timeout=0.2)
+    assert fake.stacks_asked == [[1, 2]] and signals_when_asked == [0]
+    assert out.failures[1].stack is fake.stacks[1]
+    assert "at In [9], line 5, in <module>: step_2()" in out.failures[2].headline()
+
+
+def test_drained_ranks_carry_where_they_were_stuck() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "all_sum")
+    fake.finish(1, ValueError("rank one fails"))
+    out = supervise(fake)
+    assert fake.stacks_asked == [[0]]  # the failed rank is not asked
+    assert out.failures[0].cause == DRAINED and out.failures[0].stack is fake.stacks[0]
+
+
+def test_a_failure_to_take_stacks_does_not_fail_the_cell_differently() -> None:
+    fake = FakeRanks()
+    fake.finish(0)
+
+    def broken(ranks):
+        raise OSError("no stack file")
+
+    fake.rank_stacks = broken  # type: ignore[method-assign]
+    out = supervise(fake, timeout=0.2)
+    assert out.timed_out and out.failures[1].cause == KILLED and out.failures[1].stack is None
 
 
 def test_receivers_waiting_on_each_other_are_a_deadlock() -> None:

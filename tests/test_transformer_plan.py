@@ -7,8 +7,6 @@ groups in ``test_transformers.py``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.nn as nn
 import pytest
 
@@ -16,16 +14,7 @@ from mlx_nbdist import ShardingError
 from mlx_nbdist.engine.sharding import plan
 from mlx_nbdist.viz import format_plan, plan_table_html
 
-from .lm_models import LM_COMMON
-
 pytest.importorskip("mlx_lm")
-
-
-@pytest.fixture(scope="module")
-def lm() -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    exec(LM_COMMON, ns)  # noqa: S102 - our own code, the same the ranks run
-    return ns
 
 
 def _rows(p):

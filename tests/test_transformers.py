@@ -38,13 +38,6 @@ def gap(out: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def lm() -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    exec(LM_COMMON, ns)  # noqa: S102 - our own code, the same the ranks run
-    return ns
-
-
-@pytest.fixture(scope="module")
 def s2(session2: Session) -> Session:
     session2.run(LM_COMMON + "\nimport mlx_nbdist\n")
     return session2

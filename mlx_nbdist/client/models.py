@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import rpc
 from ..errors import CellError, ShardingError
+from ..history import shard_entry
 from ..results import GradSample, HeadRow, PlanRow, StageRow, TensorSlice
 
 if TYPE_CHECKING:
@@ -62,19 +63,15 @@ class PlanTable:
     #: the model's own method that shards it (``Model.shard``), if any
     own: str = ""
 
-    def _extras(self) -> dict[str, Any]:
-        return {"problems": self.problems, "warnings": self.warnings, "heads": self.heads,
-                "stages": self.stages, "own": self.own}
-
     def _repr_html_(self) -> str:
-        from ..viz import plan_table_html
+        from ..viz.plan import extras_of, plan_table_html
 
-        return plan_table_html(self.rows, self.group_size, **self._extras())
+        return plan_table_html(self.rows, self.group_size, **extras_of(self))
 
     def __str__(self) -> str:
-        from ..viz import format_plan
+        from ..viz.plan import extras_of, format_plan
 
-        return format_plan(self.rows, self.group_size, **self._extras())
+        return format_plan(self.rows, self.group_size, **extras_of(self))
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -144,6 +141,7 @@ def shard(
             + "\n  ".join(table.problems)
         )
     notes = _unwrap(s.apply, rpc.shard_model, model, sharding, segments)
+    s.record(shard_entry(model, sharding, segments))  # an export replays it in a cell
     said = {w for text in notes.values() for w in text.splitlines() if w}
     # the rank's warnings, less those that repeat a plan warning's reason
     table.warnings = [*table.warnings, *sorted(w for w in said if not any(

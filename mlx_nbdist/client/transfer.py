@@ -3,8 +3,10 @@
 :meth:`Receiver.pull` runs the whole exchange: it asks every rank for its slice
 (``rpc.slice_of``) offering the local routes this process can take and the segments
 its arrays still use, then turns each answer into a numpy array. The routes (a
-shared-memory pool, reading the rank's memory, an ipyparallel buffer) and the rank's
-side are described in :mod:`mlx_nbdist.engine.transfer`.
+shared-memory pool of ``/dev/shm`` files or of POSIX shared memory, reading the
+rank's memory, an ipyparallel buffer) and the rank's side are described in
+:mod:`mlx_nbdist.engine.transfer`; what this platform allows (and portable mode) in
+:mod:`mlx_nbdist.platform`.
 """
 
 from __future__ import annotations
@@ -24,23 +26,48 @@ from typing import Any
 
 import numpy as np
 
+from .. import platform, watchdog
 from ..engine import rpc
-from ..engine.transfer import MAP_FLAGS, SHM_DIR
+from ..engine.transfer import SHM_DIR, Route, registry
+from ..platform import MAP_FLAGS
 
 #: ``apply(fn, *args) -> {rank: fn's result}``: runs ``fn`` on every rank
 Apply = Callable[..., dict[int, Any]]
 
 
 def shm_available() -> bool:
-    """This machine has a writable ``/dev/shm`` (the pool route)."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    """The ``pool`` route: a writable ``/dev/shm`` that portable mode does not rule out."""
+    return platform.has_dev_shm()
 
 
-def discard(prefix: str) -> None:
-    """Remove shared-memory files left by a session (segments never mapped)."""
+def local_routes() -> list[Route]:
+    """The local routes this process can take, fastest first: a pool of ``/dev/shm``
+    files, else of POSIX shared memory (macOS, portable mode); reading rank memory."""
+    routes = []
+    if shm_available():
+        routes.append(Route.POOL)
+    elif platform.has_posix_shm():
+        routes.append(Route.SHM)
+    if vm_available():
+        routes.append(Route.VM)
+    return routes
+
+
+def discard(prefix: str) -> int:
+    """Remove the shared memory a session's ranks left (segments never mapped, or
+    made by a rank that died): its ``/dev/shm`` files, and the POSIX segments its
+    ranks' registries name (the registries too). Call it once the ranks are gone;
+    returns how many segments it removed."""
+    removed = 0
     if shm_available():
         for p in SHM_DIR.glob(f"{prefix}-*"):
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink()
+                removed += 1
+            except OSError:
+                pass
+    pattern = registry(prefix, "*")
+    return removed + watchdog.unlink_registered(list(pattern.parent.glob(pattern.name)))
 
 
 class Lease:
@@ -57,9 +84,9 @@ class Lease:
 
 
 class RouteRefused(OSError):
-    """A local route failed on the notebook's side (``route``: ``pool`` or ``vm``)."""
+    """A local route failed on the notebook's side (``route``: ``pool``, ``shm`` or ``vm``)."""
 
-    def __init__(self, route: str, err: OSError) -> None:
+    def __init__(self, route: Route, err: OSError) -> None:
         super().__init__(err.errno, f"{route} transfer refused: {err}")
         self.route = route
 
@@ -72,7 +99,7 @@ class Receiver:
     """
 
     def __init__(self) -> None:
-        self.routes = [r for r, ok in (("pool", shm_available()), ("vm", vm_available())) if ok]
+        self.routes: list[Route] = local_routes()
         self._lock = threading.Lock()
         #: held for one request and its reply: what the notebook holds must not change
         #: while a request that lists it is out
@@ -140,21 +167,25 @@ class Receiver:
         if info is None or "route" not in info:
             return values
         self._forget(rank, info["pid"], info.get("drop", ()))
+        route = Route(info["route"])
         try:
-            if info["route"] == "vm":
+            if route is Route.VM:
                 out = np.empty(info["nbytes"], dtype=np.uint8)
                 vm_read(info["pid"], info["addr"], out)
                 return out.view(np.dtype(info["dtype"])).reshape(info["shape"])
             return self._from_pool(rank, info)
         except OSError as e:
-            raise RouteRefused(info["route"], e) from e
+            raise RouteRefused(route, e) from e
 
     def _from_pool(self, rank: int, info: dict[str, Any]) -> np.ndarray:
         pid, token = info["pid"], info["token"]
         with self._lock:
             segment = self._segments.get((pid, token))
         if segment is None:
-            segment = _map(Path(info["path"]), info["size"])
+            if "name" in info:  # Route.SHM
+                segment = _map_shm(info["name"], info["size"])
+            else:
+                segment = _map(Path(info["path"]), info["size"])
             with self._lock:
                 self._segments[(pid, token)] = segment
         lease = Lease(segment, info)
@@ -192,6 +223,19 @@ def _map(path: Path, size: int) -> np.ndarray:
     return np.frombuffer(mm, np.uint8)
 
 
+def _map_shm(name: str, size: int) -> np.ndarray:
+    try:
+        mm = platform.shm_attach(name, size)
+    except ValueError as e:  # a name no rank of ours makes
+        raise OSError(f"shared-memory segment {name!r}: {e}") from e
+    finally:
+        try:
+            platform.shm_unlink(name)  # the mappings keep the memory; no name is left
+        except (OSError, ValueError):
+            pass
+    return np.frombuffer(mm, np.uint8)
+
+
 class _IOVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -213,8 +257,9 @@ _VM_READ = _libc_vm_read()
 
 
 def vm_available() -> bool:
-    """This platform can copy from another process's memory (Linux ``process_vm_readv``)."""
-    return _VM_READ is not None
+    """This platform can copy from another process's memory (Linux ``process_vm_readv``,
+    not in portable mode)."""
+    return _VM_READ is not None and platform.has_vm_read()
 
 
 def vm_read(pid: int, addr: int, out: np.ndarray) -> None:
@@ -222,8 +267,9 @@ def vm_read(pid: int, addr: int, out: np.ndarray) -> None:
 
     ctypes releases the GIL for the call, so ranks can be read in parallel threads.
     """
-    if _VM_READ is None:
-        raise OSError("process_vm_readv is not available on this platform")
+    if not vm_available():
+        raise OSError("process_vm_readv is not available on this platform "
+                      f"(or portable mode is on: {platform.PORTABLE_ENV})")
     done, total = 0, out.nbytes
     base = out.ctypes.data
     while done < total:

@@ -17,7 +17,11 @@ Starting a group takes three calls from the session, each on every engine:
    for the user's cells.
 
 The session applies these through :mod:`mlx_nbdist.engine.rpc`. Nothing here imports
-MLX until :func:`bootstrap` runs.
+MLX until :func:`bootstrap` runs, and :func:`bootstrap` sets the backend's environment
+(``CUDA_VISIBLE_DEVICES`` for nccl among it) before it imports ``mlx.core``: CUDA reads
+that variable once, when the process first touches it. (Under ``mpirun`` the engine's
+entry point, :mod:`.mpi_entry`, imports MLX first; that launcher offers ring and mpi
+only.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import cells, output, state
+from ..config import Backend
+from . import cells, output, stacks, state
 
 
 def probe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -41,9 +46,14 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
             shared machine and PID space), ``controller_ip`` (to find the address
             this host reaches the controller from).
 
+            ``gpus``: also count this host's NVIDIA GPUs (for nccl), without
+            touching CUDA.
+
     Returns:
         ``pid``, ``started``, ``hostname``, ``machine``, ``addresses`` (IPv4),
-        ``route`` (address towards the controller), ``shared_files``, ``sees_client``.
+        ``route`` (address towards the controller), ``shared_files``, ``sees_client``,
+        ``gpus`` (0 unless asked) and ``cuda_visible`` (this engine's
+        ``CUDA_VISIBLE_DEVICES``, ``None`` when unset).
     """
     import psutil
 
@@ -70,18 +80,38 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
         "route": route,
         "shared_files": shared,
         "sees_client": _same_process(int(cfg.get("client_pid", 0)), cfg.get("client_started")),
+        "gpus": gpu_count() if cfg.get("gpus") else 0,
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
 
-def machine_id() -> str:
-    """Identifies this machine (same kernel, same boot): hostname plus boot id/time."""
-    import psutil
+def gpu_count() -> int:
+    """NVIDIA GPUs on this host, without initialising CUDA in this process: the
+    ``/dev/nvidiaN`` device files, else the lines of ``nvidia-smi -L``; 0 when none."""
+    import glob
+    import re
+    import shutil
+    import subprocess
 
+    devices = [p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)]
+    if devices:
+        return len(devices)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = f"{psutil.boot_time():.0f}"
-    return f"{socket.gethostname()}/{boot}"
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def machine_id() -> str:
+    """Identifies this machine (same kernel, same boot): ``hostname/boot`` (see
+    :func:`mlx_nbdist.platform.machine_id`; no ``/proc`` read in portable mode)."""
+    from .. import platform
+
+    return platform.machine_id()
 
 
 def _same_process(pid: int, started: Any) -> bool:
@@ -123,9 +153,13 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     """Initialise the MLX group on this engine; returns a :class:`RankInfo` as a dict.
 
     Args:
-        cfg: ``rank`` (ring only), ``size``, ``backend`` (``ring`` or ``mpi``),
+        cfg: ``rank`` (all but mpi), ``size``, ``backend`` (a :class:`Backend` value),
             ``hostfile_json`` (ring: the hostfile's content; it is written to a
             private file on this host) or ``hostfile`` (a path readable here),
+            ``env`` (nccl, jaccl: variables set before MLX is imported, see
+            :func:`mlx_nbdist.hosts.nccl_env`), ``env_files`` (``{NAME: content}``:
+            each written to a private file on this host, ``NAME`` set to its path,
+            removed after MLX read it: jaccl's ``MLX_IBV_DEVICES``),
             ``token`` (an int shared by this session's ranks), ``session_id``,
             ``session_dir``, ``client_pid``, ``client_started``, ``reap_pids``
             (PIDs rank 0 ends if the client dies), ``engine_id``, ``host`` (the
@@ -134,48 +168,50 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
             ``watch_client`` (end this engine when the client's process is gone;
             only possible when this host sees that process).
     """
-    import mlx.core as mx
-    import mlx.nn as nn
-
     from .monitor import Monitor
     from .tracker import Tracker
 
     if state.started():
         raise RuntimeError(f"rank {state.current().rank} is already bootstrapped")
-    backend, size = cfg["backend"], int(cfg["size"])
+    backend, size = Backend(cfg["backend"]), int(cfg["size"])
     # Left in the notebook's environment by an earlier ``mlx.launch`` run, these would
     # make MLX join *that* group (a group of one blocks trying to reach its ring).
     for var in _MLX_GROUP_VARS:
         os.environ.pop(var, None)
-    if not mx.distributed.is_available(backend):
-        raise RuntimeError(
-            f"this MLX build has no '{backend}' distributed backend "
-            f"(mlx {mx.__version__}); install mlx>=0.29 with distributed support"
-        )
-    if size == 1:
-        # A group of one needs no backend (a ring of one cannot connect to itself):
-        # MLX's singleton group makes every collective the identity.
-        world = mx.distributed.init(strict=False)
-    elif backend == "ring":
-        os.environ["MLX_RANK"] = str(cfg["rank"])
+    env = dict(cfg.get("env") or {})
+    files = dict(cfg.get("env_files") or {})
+    if backend == Backend.RING and size > 1:
+        env["MLX_RANK"] = str(cfg["rank"])
         if cfg.get("hostfile_json"):
-            fd, path = tempfile.mkstemp(prefix="mlx_nbdist-ring-", suffix=".json")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(cfg["hostfile_json"])
-                os.environ["MLX_HOSTFILE"] = path
-                world = mx.distributed.init(backend=backend, strict=True)
-            finally:
-                os.unlink(path)  # MLX reads it during init
+            files["MLX_HOSTFILE"] = cfg["hostfile_json"]
         else:
-            os.environ["MLX_HOSTFILE"] = cfg["hostfile"]
-            world = mx.distributed.init(backend=backend, strict=True)
-    else:
-        world = mx.distributed.init(backend=backend, strict=True)
+            env["MLX_HOSTFILE"] = cfg["hostfile"]
+    written = []
+    try:
+        os.environ.update(env)  # before MLX (and so CUDA) starts in this process
+        for name, content in files.items():
+            written.append(_private_file(name, content))
+            os.environ[name] = written[-1]
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        if not _available(mx, backend):
+            raise RuntimeError(
+                backend.unavailable(f"on host {socket.gethostname()}", mx.__version__)
+            )
+        if size == 1:
+            # A group of one needs no backend (a ring of one cannot connect to itself):
+            # MLX's singleton group makes every collective the identity.
+            world = mx.distributed.init(strict=False)
+        else:
+            world = mx.distributed.init(backend=backend.value, strict=True)
+    finally:
+        for path in written:
+            os.unlink(path)  # MLX reads them during init
     rank = world.rank()
     if world.size() != size:
         raise RuntimeError(f"rank {rank}: MLX group has size {world.size()}, expected {size}")
-    if backend == "ring" and rank != int(cfg["rank"]):
+    if backend != Backend.MPI and size > 1 and rank != int(cfg["rank"]):
         raise RuntimeError(f"MLX gave rank {rank} to the engine told to be rank {cfg['rank']}")
     if size > 1:
         _check_membership(mx, world, int(cfg["token"]), cfg["session_id"])
@@ -201,6 +237,7 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
     st = state.EngineState(world, rank, size, cfg["session_id"], tracker, monitor)
     state.install(st)
     output.install(status_dir, rank)
+    main_thread = stacks.install(status_dir, rank)
     _prepare_shell(mx, nn, st)
     monitor.start()
     return {
@@ -210,8 +247,26 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         "host": cfg.get("host") or socket.gethostname(),
         "device": device,
         "size": world.size(),
-        "backend": backend,
+        "backend": backend.value,
+        "main_thread": main_thread,
     }
+
+
+def _available(mx: Any, backend: Backend) -> bool:
+    try:
+        return bool(mx.distributed.is_available(backend.value))
+    except TypeError:  # mlx < 0.30.1: is_available() takes no backend
+        return False
+
+
+def _private_file(name: str, content: str) -> str:
+    """Write ``content`` to a file only this user reads; returns its path."""
+    # the ring's prefix is what ``%mlxdist cleanup`` looks for when a rank died
+    kind = "ring" if name == "MLX_HOSTFILE" else name.lower().replace("_", "-")
+    fd, path = tempfile.mkstemp(prefix=f"mlx_nbdist-{kind}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+    return path
 
 
 #: variables with which MLX finds a group to join; this session sets its own
@@ -223,6 +278,9 @@ _MLX_GROUP_VARS = (
     "MLX_IBV_DEVICES",
     "MLX_JACCL_COORDINATOR",
     "MLX_JACCL_DEVICES",
+    "MLX_JACCL_RING",
+    "NCCL_HOST_IP",
+    "NCCL_PORT",
 )
 
 

@@ -6,6 +6,11 @@ A ``%%mlxdist`` cell is an execute request: IPython's ``pre_run_cell`` and
 them around the function. The session sends a cell's metadata (cell number, active
 ranks, check mode, output limit) as the execute request's label, or as ``call``'s
 first argument.
+
+A cell whose metadata has ``"profile": true`` (``%%mlxdist --profile``) is timed: a
+:class:`~.profile.Recorder` is installed on the tracker for the cell, and its events
+are published at the end next to the ledger (see :mod:`.profile` for what that
+measures and costs).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from . import output, state
 
 #: the key of a cell's ledger among the data a rank publishes (``md["data"]``)
 LEDGER_KEY = "mlx_nbdist.ledger"
+#: the key of a profiled cell's timed collectives (``Recorder.finish``) in that data
+PROFILE_KEY = "mlx_nbdist.profile"
 
 
 def begin(meta: dict[str, Any]) -> None:
@@ -24,6 +31,13 @@ def begin(meta: dict[str, Any]) -> None:
     st = state.current()
     cell = int(meta.get("cell", 0))
     st.tracker.begin_cell(cell, meta.get("ranks"), bool(meta.get("check")))
+    st.tracker.recorder = None
+    if meta.get("profile"):
+        from .profile import Recorder
+
+        recorder = Recorder(st.rank, st.size, st.tracker.backend)
+        recorder.begin(cell)
+        st.tracker.recorder = recorder
     output.begin_cell(cell, limit=meta.get("output_limit"))
     st.monitor.cell_started(cell)
 
@@ -31,15 +45,22 @@ def begin(meta: dict[str, Any]) -> None:
 def finish(status: str) -> None:
     """End a cell or apply on this rank (``status``: ``ok`` or the exception's name):
     run its unevaluated collectives (see :meth:`Tracker.settle`), send the notebook
-    its ledger when it issued any collective, flush its output, publish its end."""
+    its ledger when it issued any collective (and a profiled cell's timings), flush
+    its output, publish its end."""
     st = state.current()
+    recorder, st.tracker.recorder = st.tracker.recorder, None
     try:
         st.tracker.settle()
+        data: dict[str, Any] = {}
         if st.tracker.cell_count:
+            data[LEDGER_KEY] = st.tracker.ledger()
+        if recorder is not None:
+            data[PROFILE_KEY] = recorder.finish(status)
+        if data:
             from ipyparallel.datapub import publish_data
 
             try:
-                publish_data({LEDGER_KEY: st.tracker.ledger()})
+                publish_data(data)
             except Exception:  # noqa: BLE001 - no kernel (plain process): nobody to tell
                 pass
     finally:

@@ -183,6 +183,7 @@ def load(
     try:
         model_dir = _model_dir(path)
         model, _config = lm.load_model(model_dir, lazy=True)
+        model.nbdist_source = str(model_dir)  # a checkpoint keeps its config.json
         failed = ""
     except Exception as e:  # noqa: BLE001 - told to every rank below, then re-raised
         failed, error = f"{type(e).__name__}: {e}", e

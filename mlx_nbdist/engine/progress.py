@@ -14,7 +14,10 @@ of the scalars from those files, even while the cell runs. Nothing is printed on
 the rank, so the cell's output stays clean.
 
 Anywhere else (plain Python, a terminal, the notebook's own process) the bar is a
-text bar on stderr, and the scalars show after it (``loss=0.123``).
+text bar on stderr, and the scalars show after it (``loss=0.123``). Where that stream
+is no terminal (a pipe, a log file, ``mlx.launch`` running an exported script) the bar
+is written as whole lines, at most one every :data:`LINE_INTERVAL` seconds and its
+last, with ``[rank r]`` in front in a group of several ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from . import state
 #: seconds between two writes of a bar (rank state or text line); the end is always written
 MIN_INTERVAL = 0.05
 _TEXT_INTERVAL = 0.1
+#: seconds between two lines of a bar written to something that is not a terminal
+LINE_INTERVAL = 2.0
 _PER_CELL: dict[int, int] = {}  # bars made so far in each cell: keys agree across ranks
 _ACTIVE: list[Progress] = []
 
@@ -81,6 +86,7 @@ class Progress:
         self.key = f"c{cell}-{index}"
         self.cell = cell
         self._text_len = 0
+        self._lines = 0
         _ACTIVE.append(self)
         self._write(force=True)
 
@@ -165,11 +171,39 @@ class Progress:
             self.monitor.set_progress(self.key, self.record())
             return
         out = self.file or sys.stderr
+        if not _is_terminal(out):
+            self._write_line(out, now)
+            return
         line = format_bar(self.record())
         pad = max(0, self._text_len - len(line))
         self._text_len = len(line)
         out.write("\r" + line + " " * pad + ("\n" if self.closed else ""))
         out.flush()
+
+
+    def _write_line(self, out: IO[str], now: float) -> None:
+        """One whole line: the first, the last, and one per :data:`LINE_INTERVAL`."""
+        if self._lines and not self.closed and now - self._written < LINE_INTERVAL:
+            return
+        self._written = now
+        self._lines += 1
+        out.write(_rank_prefix() + format_bar(self.record()) + "\n")
+        out.flush()
+
+
+def _is_terminal(out: IO[str]) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _rank_prefix() -> str:
+    """``[rank r] `` in a group of several ranks (a script under mlx.launch), else ``""``."""
+    if not state.started():
+        return ""
+    st = state.current()
+    return f"[rank {st.rank}] " if st.size > 1 else ""
 
 
 def progress(

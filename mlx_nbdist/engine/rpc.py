@@ -15,6 +15,8 @@ it): a function imports what it needs when it runs, on the rank.
   :func:`slice_of`, :func:`quantized_parts`, :func:`is_quantized_layer`,
   :func:`grad_samples`, :func:`checksums`;
 * slice transfers (:mod:`.transfer`): :func:`pool_state`, :func:`settle`;
+* checkpoints (:mod:`.checkpoint`): :func:`checkpoint` (one step of a save or load);
+* profiled cells (:mod:`.profile`): :func:`profile_clock`, :func:`probe_bandwidth`;
 * the dashboard: :func:`watch_model`.
 
 Arrays travel as separate items of a returned tuple, so ipyparallel sends them as
@@ -38,6 +40,7 @@ __all__ = [
     "align",
     "bootstrap",
     "call",
+    "checkpoint",
     "checksums",
     "drain",
     "free_ports",
@@ -45,6 +48,8 @@ __all__ = [
     "is_quantized_layer",
     "machine_id",
     "plan_rows",
+    "probe_bandwidth",
+    "profile_clock",
     "pool_state",
     "probe",
     "pull",
@@ -262,6 +267,44 @@ def checksums(name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:
         a = np.asarray(arr.astype(mx.float32) if arr.dtype == mx.bfloat16 else arr, np.float64)
         out[path] = (float(a.sum()), float((a * a).sum()), tuple(a.shape))
     return out
+
+
+# -------------------------------------------------------------------- checkpoints
+
+#: the steps of a save or load that run on a rank (functions of :mod:`.checkpoint`)
+CHECKPOINT_STEPS = ("describe", "inspect", "save_shard", "discard", "commit", "verify_files",
+                    "load_shard")  # fmt: skip
+
+
+def checkpoint(step: str, *args: Any, **kwargs: Any) -> Any:
+    """One step of saving or loading a checkpoint on this rank (``step``: one of
+    :data:`CHECKPOINT_STEPS`; see :mod:`mlx_nbdist.engine.checkpoint`)."""
+    if step not in CHECKPOINT_STEPS:
+        raise ValueError(f"{step!r} is not a checkpoint step; known: {', '.join(CHECKPOINT_STEPS)}")
+    from . import checkpoint as ck
+
+    return getattr(ck, step)(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ profiled cells
+
+
+def profile_clock() -> int:
+    """This rank's wall clock in ns, for the notebook's clock offsets (see
+    :func:`.profile.clock_ns`)."""
+    from .profile import clock_ns
+
+    return clock_ns()
+
+
+def probe_bandwidth(nbytes: int | None = None, repeats: int | None = None) -> dict[str, Any]:
+    """Time a small all_sum on every rank at once (see :func:`.profile.probe_bandwidth`)."""
+    from . import profile
+
+    return profile.probe_bandwidth(
+        profile.PROBE_BYTES if nbytes is None else nbytes,
+        profile.PROBE_REPEATS if repeats is None else repeats,
+    )
 
 
 # -------------------------------------------------------------------- dashboard

@@ -406,15 +406,13 @@ class ShardPlan:
     def __str__(self) -> str:
         """A summary line, then the table the notebook shows too
         (:func:`mlx_nbdist.viz.format_plan`)."""
-        from ..viz.plan import format_plan
+        from ..viz.plan import extras_of, format_plan
 
         lines = [
             f"ShardPlan {self._strategy_text()} over {self.group_size} ranks"
             + (f", segments={self.segments}" if self.segments != 1 else "")
             + f": {len(self.rows)} parameters, {self.bytes_per_rank:,} bytes per rank",
-            format_plan(self.rows, self.group_size, problems=self.problems,
-                        warnings=self.warnings, heads=self.heads, stages=self.stages,
-                        own=self.own),
+            format_plan(self.rows, self.group_size, **extras_of(self)),
         ]
         if any(r.layer.startswith("Quantized") for r in self.rows):
             lines.append("quantized weights are packed (uint32 holds 32/bits values); "

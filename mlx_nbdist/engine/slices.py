@@ -22,7 +22,7 @@ from ..results import ShardMode, TensorSlice, summarize
 from .dtypes import dtype_name
 from .sharding import ParamSpec, param_specs
 
-__all__ = ["local_slice", "model_shards"]
+__all__ = ["local_slice", "model_shards", "needs_host_copy"]
 
 
 def local_slice(
@@ -109,9 +109,35 @@ def _describe(
     )
 
 
+def needs_host_copy(device_type: str, gpu_backend: str) -> bool:
+    """Whether an array must be copied into memory numpy owns before it leaves the rank.
+
+    Args:
+        device_type: MLX's default device type (``"cpu"`` or ``"gpu"``).
+        gpu_backend: ``"metal"`` (Apple unified memory: the CPU's own pages),
+            ``"cuda"``, or ``""`` (no GPU backend).
+
+    A view of a CUDA array (``np.asarray``) may point into device or managed memory,
+    which another process (``process_vm_readv``) must never read, so on a GPU other
+    than Metal the slice is copied to the host first.
+    """
+    return device_type == "gpu" and gpu_backend != "metal"
+
+
+def _gpu_backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)  # mlx >= 0.29 on Linux
+    return "cuda" if cuda is not None and cuda.is_available() else ""
+
+
 def _to_numpy(arr: mx.array) -> np.ndarray:
     if arr.dtype == mx.bfloat16:
         arr = arr.astype(mx.float32)
+    device = mx.default_device()
+    if device.type == mx.gpu and needs_host_copy("gpu", _gpu_backend()):
+        mx.eval(arr)
+        return np.array(arr, copy=True)  # host memory this process owns
     return np.asarray(arr)
 
 

@@ -15,7 +15,9 @@ through it. Each wrapper:
 
 MLX builds graphs lazily: a collective is *issued* when its array is created and
 *runs* when that array is evaluated. The records are of issue order, which is the
-same on every rank for correct programs.
+same on every rank for correct programs. In a profiled cell (``%%mlxdist --profile``)
+the wrapper hands the collective to the cell's :class:`~.profile.Recorder`, which
+evaluates it where it is issued so that it can be timed.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import hashlib
 import io
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from ..results import CollectiveRecord
 from . import dtypes
+
+if TYPE_CHECKING:
+    from .profile import Recorder
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 P2P = ("send", "recv", "recv_like")
@@ -73,6 +78,9 @@ class Tracker:
         self._begin_ledger()
         #: records being evaluated by :meth:`settle` right now (published)
         self.settling: list[CollectiveRecord] = []
+        #: times each collective of a profiled cell (see :mod:`.profile`); ``None``
+        #: (every other cell) costs the wrapper one attribute test
+        self.recorder: Recorder | None = None
 
     def _begin_ledger(self) -> None:
         self.cell_count = 0
@@ -226,10 +234,13 @@ class Tracker:
                 if problem:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
-            rec = tracker._record(
-                op, shape, dtype, peer, nbytes, world=group.size() == tracker.size
-            )
-            out = fn(*args, **kwargs)
+            world = group.size() == tracker.size
+            rec = tracker._record(op, shape, dtype, peer, nbytes, world=world)
+            recorder = tracker.recorder
+            if recorder is None:
+                out = fn(*args, **kwargs)
+            else:  # a profiled cell: evaluate the inputs, then this collective, timed
+                out = recorder.timed(rec, fn, args, kwargs, world)
             tracker._hold(rec, out)
             return out
 

@@ -39,7 +39,7 @@ class Launcher:
     #: one line for ``--help`` and the docs
     summary: ClassVar[str] = ""
     #: MLX backends whose groups this launcher's engines can form
-    backends: ClassVar[tuple[Backend, ...]] = (Backend.RING,)
+    backends: ClassVar[tuple[Backend, ...]] = (Backend.RING, Backend.NCCL, Backend.JACCL)
     #: whether it needs hosts (a placement) / refuses them
     needs_hosts: ClassVar[bool] = False
     takes_hosts: ClassVar[bool] = True
@@ -60,9 +60,17 @@ class Launcher:
         self.python = python
 
     # -- checks ---------------------------------------------------------------------
+    @property
+    def runs_here(self) -> bool:
+        """Every rank runs on this machine (no placement): what MLX can do here is
+        what the ranks' MLX can do."""
+        return self.placement is None
+
     def check(self, backend: Backend) -> None:
         """Raise :class:`SetupError` naming the fix when this launcher cannot start
-        ``backend``'s group with this placement."""
+        ``backend``'s group with this placement (before any process starts)."""
+        if backend in (Backend.NCCL, Backend.JACCL) and self.runs_here:
+            check_mlx_backend(backend)
         if backend not in self.backends:
             raise SetupError(
                 f"--backend {backend} needs "
@@ -82,6 +90,16 @@ class Launcher:
                 f"{self.placement.source} names other hosts: use --launcher ssh "
                 "(the default with hosts) or mpi"
             )
+        if backend == Backend.JACCL:
+            if self.placement is None:
+                raise SetupError(
+                    "--backend jaccl connects Macs over Thunderbolt RDMA: give --hostfile "
+                    'FILE whose hosts list their "rdma" devices (mlx.distributed_config '
+                    "--backend jaccl writes one), or use --backend ring"
+                )
+            from ..hosts import ibv_devices
+
+            ibv_devices(self.placement, ring=self.placement.jaccl_ring)
 
     # -- starting -------------------------------------------------------------------
     def cluster_kwargs(self, directory: Path) -> dict[str, Any]:
@@ -125,6 +143,19 @@ class Launcher:
         """Jobs that deliver ``sig`` to ranks this machine cannot signal by PID;
         ``targets``: ``{rank: (host, pid)}``. Default: none can be reached."""
         return []
+
+
+def check_mlx_backend(backend: Backend) -> None:
+    """Raise :class:`SetupError` naming the fix when this machine's MLX lacks
+    ``backend`` (for ranks that run here: checked before any engine starts)."""
+    import mlx.core as mx
+
+    try:
+        ok = bool(mx.distributed.is_available(backend.value))
+    except TypeError:  # mlx < 0.30.1: is_available() takes no backend
+        ok = False
+    if not ok:
+        raise SetupError(backend.unavailable("on this machine", mx.__version__))
 
 
 def end_all_engines(cluster: Any, sig: int = signal.SIGKILL) -> list[Job]:

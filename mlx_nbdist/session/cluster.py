@@ -102,10 +102,15 @@ class Cluster:
             if len(self.client.ids) != seen:
                 seen = len(self.client.ids)
                 say(f"engines registered: {seen}/{self.n}")
-            if not all(es.running for es in self.ipp.engines.values()):
+            exited = self.exited_while_starting()
+            if exited:
                 raise StartError(
-                    f"the engines exited while starting{self.hosts_note()}.\n"
-                    + runtime.log_tail(self.directory)
+                    f"the engines exited while starting ({exited}){self.hosts_note()}. "
+                    f"Their output, from {self.directory / 'profile' / 'log'}:\n"
+                    + (
+                        runtime.log_tail(self.directory, prefix="ipengine", files=self.n)
+                        or runtime.log_tail(self.directory)
+                    )
                 )
             if time.monotonic() > t_end:
                 raise StartError(
@@ -116,6 +121,36 @@ class Cluster:
             time.sleep(0.1)
         say(f"engines registered: {self.n}/{self.n}")
         return self.client
+
+    def exited_while_starting(self) -> str:
+        """Which engine processes (or ``mpirun``) this machine started have exited,
+        e.g. ``engine pid 123 exit code 1``; ``""`` while all run.
+
+        ipyparallel learns of an exit in a thread that hands it to its event loop,
+        which does not run between the synchronous calls the session makes, so its
+        ``running`` flags stay true: the processes are checked here instead. Engines
+        started over ssh are not (ssh exits once it started a detached engine).
+        """
+        if self.ipp is None:
+            return ""
+        out = []
+        for es in self.ipp.engines.values():
+            sets = getattr(es, "launchers", None)
+            if sets is not None:
+                if isinstance(self.launcher, SSHLauncher):
+                    continue
+                for lnch in list(sets.values()):
+                    proc = getattr(lnch, "process", None)
+                    if proc is not None and not processes.running(proc):
+                        code = describe_exit(self.exit_of(proc.pid))
+                        out.append(f"engine pid {proc.pid}" + (f" {code}" if code else ""))
+                continue
+            proc = getattr(es, "process", None)  # one launcher process: mpirun
+            if proc is not None and not processes.running(proc):
+                out.append(f"{self.launcher.name} launcher's process (pid {proc.pid})")
+            elif not es.running and getattr(es, "state", "") == "after":
+                out.append("engine set stopped")
+        return ", ".join(out)
 
     def hosts_note(self) -> str:
         """Which hosts engines were started on, and which of them stopped."""

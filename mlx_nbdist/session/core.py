@@ -34,10 +34,12 @@ import psutil
 
 from .. import _ipp, config, launchers
 from .. import hosts as _hosts
+from ..backend_check import check_mlx
 from ..client.transfer import Receiver, discard
 from ..engine import rpc
 from ..enums import TextEnum
 from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError
+from ..history import Entry, cell_entry, render, target, write
 from ..outcomes import check_ledgers, collect, ledgers_of, raise_for
 from ..results import (
     DIED,
@@ -45,14 +47,17 @@ from ..results import (
     CellResult,
     CollectiveRecord,
     RankInfo,
+    RankStack,
     RankState,
     RankStatus,
 )
 from ..streams import CellStreams, OutputEvent
 from ..supervise import Outcome, Supervisor, failed
+from ..timelines import CellTimeline, CommStats
 from . import diagnostics, formation
 from .cluster import Cluster
 from .formation import RankPlace
+from .profile import Profiles
 from .ranks import RankGroup
 
 
@@ -110,7 +115,10 @@ class Session:
     Args:
         n: number of ranks (default 2; with ``hostfile``, one per hostfile entry;
             with ``hosts``, one per host).
-        backend: MLX backend, ``ring`` (TCP, default) or ``mpi``.
+        backend: MLX backend (:class:`~mlx_nbdist.config.Backend`): ``ring`` (TCP),
+            ``mpi``, ``nccl`` (NVIDIA GPUs) or ``jaccl`` (Thunderbolt RDMA between
+            Macs). Default: the hostfile's ``backend``, else ``ring``; an explicit
+            one wins over the hostfile's.
         launcher: one of :data:`mlx_nbdist.launchers.LAUNCHERS`: ``local``
             (ipyparallel local engines), ``ssh`` (ipyparallel's SSH engine launcher,
             on ``hosts``) or ``mpi`` (engines started by ``mpirun``); defaults to
@@ -140,7 +148,7 @@ class Session:
         self,
         n: int | None = None,
         *,
-        backend: str = config.BACKEND,
+        backend: str | None = None,
         launcher: str | None = None,
         timeout: float | None = config.CELL_TIMEOUT,
         start_timeout: float = config.START_TIMEOUT,
@@ -160,6 +168,8 @@ class Session:
         self.placement = _hosts.resolve(hosts=self.hosts, hostfile=hostfile, n=n)
         self.n = int(self.placement.n if self.placement else (config.N if n is None else n))
         _check_n(self.n)
+        if backend is None:
+            backend = (self.placement.backend_name if self.placement else "") or config.BACKEND
         self.backend = launchers.backend_of(backend)
         self.launcher = launcher or launchers.default_name(self.backend, self.placement)
         self.timeout = _check_timeout(timeout)
@@ -190,6 +200,11 @@ class Session:
         self._cell = 0
         #: the notebook's end of slice transfers (see ``mlx_nbdist.slices``)
         self.receiver = Receiver()
+        #: the last profiled cells, clock offsets and probed bandwidth (``run(profile=True)``)
+        self.profiles = Profiles(self)
+        #: what ran on the ranks since the last (re)start, in order: what :meth:`export`
+        #: writes (cells, added by :meth:`run`; notebook commands, by :meth:`record`)
+        self.history: list[Entry] = []
 
     # -- what it is now ------------------------------------------------------------------
     @property
@@ -255,8 +270,8 @@ class Session:
             scp_cmd=self.scp_cmd,
             python=self.python,
         )
+        check_mlx()  # before the launcher's backend check, which imports mlx.core
         launcher.check(self.backend)
-        _check_mlx()
         cores = os.cpu_count() or 1
         if self.placement is None and self.n > cores:
             warnings.warn(
@@ -269,6 +284,7 @@ class Session:
             self._state = STARTING
             self.broken_reason = ""
             self.group = None
+            self.history = []
             try:
                 self.cluster = Cluster(launcher, self.n, self.start_timeout)
                 self.session_id, self.directory = self.cluster.session_id, self.cluster.directory
@@ -316,12 +332,19 @@ class Session:
         if self._state == STOPPED and self.cluster is None:
             return
         self.stopping = True
+        clean = self._state == READY
         try:
             self._teardown()
         finally:
             self._state = STOPPED
             self.stopping = False
             _LIVE.discard(self)
+        if clean and self.directory is not None:
+            # a clean stop leaves nothing; a broken session's or a failed start's
+            # folder stays for its logs (pruned later, see processes.prune)
+            from .. import runtime
+
+            runtime.discard(self.directory)
 
     def restart(self, progress: Progress | None = None) -> Session:
         """New engines, same N, backend and launcher; rank r is still rank r."""
@@ -400,6 +423,20 @@ class Session:
             except OSError:
                 continue
         return False
+
+    def where(self) -> dict[int, RankStack]:
+        """Where every rank is now: its main thread's stack, innermost frame in the
+        user's cell with that line (``%mlxdist where``).
+
+        Works while a cell runs (from another thread, the dashboard's [Where]) and on
+        a broken session: a rank writes its stack on a signal, even while blocked
+        inside MLX. Each rank's :class:`~mlx_nbdist.results.RankStack` says why when
+        it has none (idle between cells, not answering, files on another host).
+        """
+        group = self.group
+        if group is None or self._state == STOPPED:
+            raise NotStartedError("no session is running: start one with %mlxdist start -n N")
+        return group.rank_stacks(sorted(group.ranks))
 
     def kill_ranks(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ranks (by PID here, through the launcher elsewhere)."""
@@ -529,6 +566,8 @@ class Session:
             # e.g. a second Ctrl-C while the group was being checked: unproven
             self._break("interrupted before the group could be checked after the cell")
             raise
+        if meta.get("profile"):
+            self.profiles.record(self._cell, futures)
         self._forget(ar)
         notes = diagnostics.host_notes(group, self.backend, result, outcome)
         raise_for(result, outcome, timeout, notes)
@@ -602,6 +641,8 @@ class Session:
         on_tick: Callable[[], None] | None = None,
         on_output: Callable[[OutputEvent], None] | None = None,
         output_limit: int | None = None,
+        name: str | None = None,
+        profile: bool = False,
     ) -> CellResult:
         """Run ``code`` as a cell on the ranks (default all) and collect their output.
 
@@ -626,6 +667,12 @@ class Session:
             output_limit: characters of output per rank that reach the notebook
                 (default: the session's ``output_limit``, 1 MiB; 0: no limit); the
                 rest goes to a file in the session directory, and a line says where.
+            name: how stacks and errors name this cell (the magic passes ``In [7]``;
+                default ``cell #k``, the session's count of cells and calls).
+            profile: time every collective on every rank (``%%mlxdist --profile``): each
+                is evaluated where it is issued, so compute and communication do not
+                overlap; see :meth:`timeline`. The first profiled cell of a session also
+                measures clock offsets and the backend's bandwidth (a 256 KiB all_sum).
 
         Raises:
             CellError: a rank raised, died, or was drained, or the ranks' collectives
@@ -637,14 +684,17 @@ class Session:
         deadline = self._deadline(timeout)
         check = self.check_collectives if check_collectives is None else check_collectives
         with self._run_lock:
-            self._require()
+            group = self._require()
             targets = self.resolve_ranks(ranks)
+            if profile:
+                self.profiles.prepare()  # once per start: clock offsets, bandwidth probe
             streams = CellStreams(targets)
             rank_of = {self.ranks[r].engine_id: r for r in targets}
 
             def send(view: Any, meta: dict[str, Any]) -> Any:
                 # the cell's metadata travels as the request's label: one message per
                 # rank; every output message is handed to ``streams`` as it arrives
+                group.sources[meta["cell"]] = (name or f"cell #{meta['cell']}", code)
                 return _ipp.execute_streaming(
                     view, code, json.dumps(meta), lambda eid, msg: streams.feed(rank_of[eid], msg)
                 )
@@ -664,14 +714,20 @@ class Session:
 
             limit = self.output_limit if output_limit is None else int(output_limit)
             meta = {"mlxdist": 1, "check": bool(check), "output_limit": limit}
+            if profile:
+                meta["profile"] = True
             try:
                 _, result, _ = self._dispatch(
                     targets, send, meta, deadline, on_tick, deliver, streams.changed
                 )
             except CellError as e:
                 _attach_items(e.result, streams)
+                why = "; ".join(g.headline() for g in e.groups)
+                self.history.append(cell_entry(code, name or f"cell #{self._cell}", targets,
+                                               self.n, failed=why[:300] or "failed"))
                 raise
             _attach_items(result, streams)
+            self.history.append(cell_entry(code, name or f"cell #{self._cell}", targets, self.n))
             for out in result.ranks.values():
                 for text in out.warnings:
                     warnings.warn(text, DisplayWarning, stacklevel=2)
@@ -706,6 +762,31 @@ class Session:
                 if r not in outcome.failures and not failed(f)
             }
 
+    # -- history and export ------------------------------------------------------------
+    def record(self, entry: Entry) -> None:
+        """Add a notebook command to the history :meth:`export` writes: one that changed
+        the ranks' state, as its in-cell equivalent, or one that only looked, as a
+        comment (see :mod:`mlx_nbdist.history`). :meth:`run` adds its cells itself."""
+        with self._run_lock:
+            self.history.append(entry)
+
+    def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write the cells this session ran on its ranks since its last (re)start, in
+        order, as one standalone script for ``mlx.launch -n N --backend B -- python
+        path`` or ``python -m mlx_nbdist run -n N path``; returns its path.
+
+        Raises:
+            ExportError: nothing ran on the ranks yet, or ``path`` exists and
+                ``overwrite`` is false.
+        """
+        from .. import __version__
+
+        with self._run_lock:
+            entries = list(self.history)
+        text = render(entries, self.n, str(self.backend), session_id=self.session_id,
+                      version=__version__, name=target(path).name)
+        return write(text, path, overwrite)
+
     def _forget(self, *ars: Any) -> None:
         """Drop finished messages from the client's caches (they grow without bound)."""
         try:
@@ -717,6 +798,20 @@ class Session:
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """The value of ``name`` in each rank's namespace."""
         return self.apply(rpc.pull, name, ranks=ranks)
+
+    # -- profiled cells ----------------------------------------------------------------
+    def timeline(self, k: int = 1) -> CellTimeline:
+        """The last ``k`` profiled cells as one lane per rank (``.figure()``,
+        ``.summary()``, ``.stats``); see :mod:`mlx_nbdist.timelines`."""
+        return self.profiles.timeline(k)
+
+    def trace(self, path: str | os.PathLike[str], k: int = 1) -> Path:
+        """Write the last ``k`` profiled cells as Chrome trace / Perfetto JSON."""
+        return self.profiles.trace(path, k)
+
+    def comm_stats(self, k: int = 1) -> CommStats:
+        """Count, bytes, time, waiting and bandwidth per op and rank (last ``k`` cells)."""
+        return self.profiles.stats(k)
 
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Define names in each rank's namespace."""
@@ -760,18 +855,6 @@ def _check_n(n: Any) -> None:
     if n > config.MAX_RANKS:
         raise SetupError(
             f"-n {n} is more ranks than one machine can sensibly run (max {config.MAX_RANKS})"
-        )
-
-
-def _check_mlx() -> None:
-    """MLX imports here and has distributed support (the first use of ``mlx.core``
-    in the notebook's process)."""
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        raise SetupError(
-            f"this MLX install (mlx {mx.__version__}) has no distributed support; "
-            "install mlx>=0.29 (pip install 'mlx[cpu]' on Linux)"
         )
 
 

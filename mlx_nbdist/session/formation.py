@@ -4,9 +4,12 @@
    sees this machine's files and this process);
 2. *assign and place*: which engine is which rank (the launcher knows) and which host
    it is on; for the ring backend each rank picks free ports on the addresses the
-   other hosts reach it at, and the ring hostfile is written;
+   other hosts reach it at, and the ring hostfile is written; for nccl and jaccl
+   rank 0 picks one free port on its address (the others connect there first) and
+   each rank gets its environment (:func:`rendezvous_env`);
 3. *join*: every rank runs :func:`mlx_nbdist.engine.rpc.bootstrap` at once, which
-   calls ``mx.distributed.init(strict=True)`` and checks the group's size.
+   sets that environment, calls ``mx.distributed.init(strict=True)`` and checks the
+   group's size.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from .. import processes, runtime
+from .. import hosts, processes, runtime
 from ..config import Backend
 from ..engine import rpc
 from ..errors import StartError
@@ -73,7 +76,7 @@ def form_group(
     ids = sorted(client.ids)[:n]
     t_end = time.monotonic() + timeout
     me = psutil.Process()
-    probes = _probe(cluster, ids, me, t_end)
+    probes = _probe(cluster, ids, me, t_end, gpus=backend == Backend.NCCL)
     order = cluster.launcher.assign(cluster.ipp, probes)  # rank -> engine id
     places = {
         r: RankPlace(host=cluster.launcher.host_of(r, probes[eid])) for r, eid in order.items()
@@ -94,6 +97,14 @@ def form_group(
         hostfile = [endpoints[r] for r in range(n)]
         hostfile_json = json.dumps(hostfile)
         runtime.write_ring_hostfile(cluster.directory / "hostfile.json", hostfile)
+    extra: dict[int, dict[str, Any]] = {r: {} for r in order}
+    if backend in (Backend.NCCL, Backend.JACCL) and n > 1:
+        ip = ring_ips(cluster, 0, probes[order[0]])[0]
+        port = _free_port(cluster, order, places, ip, t_end)
+        extra = rendezvous_env(
+            backend, [probes[order[r]] for r in range(n)], ip, port, cluster.launcher.placement
+        )
+        places[0].addresses = [f"{ip}:{port}"]
     watch = {r: not assume_remote and probes[order[r]]["sees_client"] for r in order}
     # One rank that sees this process ends the controller if the notebook dies.
     reaper = next((r for r in sorted(order) if watch[r]), None)
@@ -120,6 +131,7 @@ def form_group(
                 shared_files=places[r].shared_files,
                 watch_client=watch[r],
                 reap_pids=reap if r == reaper else [],
+                **extra[r],
             ),
         )
         for r, eid in order.items()
@@ -141,6 +153,11 @@ def form_group(
                 f"{cluster.directory / 'hostfile.json'}: check that the hosts reach each "
                 'other there (firewalls, the hostfile\'s "ips").'
             )
+        elif cluster.launcher.placement is not None and places[0].addresses:
+            hint = (
+                f"\nEvery rank first connects to rank 0 on {places[0].addresses[0]}: check "
+                'that the hosts reach it there (firewalls, rank 0\'s "ips" in the hostfile).'
+            )
         raise StartError(f"the {backend} group did not form:\n  " + "\n  ".join(errors) + hint)
     if sorted(infos) != list(range(n)):
         raise StartError(f"ranks {sorted(infos)} do not cover 0..{n - 1}")
@@ -148,9 +165,10 @@ def form_group(
 
 
 def _probe(
-    cluster: Cluster, ids: list[int], me: psutil.Process, t_end: float
+    cluster: Cluster, ids: list[int], me: psutil.Process, t_end: float, gpus: bool = False
 ) -> dict[int, dict[str, Any]]:
-    """Step 1: ask every engine who and where it is."""
+    """Step 1: ask every engine who and where it is (and, ``gpus``, how many GPUs
+    its host has)."""
     nonce = secrets.token_hex(16)
     runtime.write_private(cluster.directory / "probe", nonce)
     cfg = dict(
@@ -163,6 +181,7 @@ def _probe(
             if cluster.controller_ip != "0.0.0.0"
             else cluster.controller_location
         ),
+        gpus=gpus,
     )
     ars = {eid: cluster.client[eid].apply_async(rpc.probe, cfg) for eid in ids}
     probes, errors = {}, []
@@ -200,6 +219,49 @@ def ring_ips(cluster: Cluster, rank: int, probe: dict[str, Any]) -> list[str]:
             'address in a hostfile ("ips")'
         )
     return [probe["route"]]
+
+
+def rendezvous_env(
+    backend: Backend,
+    probes: list[dict[str, Any]],
+    ip: str,
+    port: int,
+    placement: hosts.Placement | None,
+) -> dict[int, dict[str, Any]]:
+    """Each rank's ``env`` (and ``env_files``) for :func:`~mlx_nbdist.engine.rpc.bootstrap`
+    with nccl or jaccl: rank 0 listens on ``ip:port``; ``probes[r]`` is rank ``r``'s
+    probe (its machine, GPU count and ``CUDA_VISIBLE_DEVICES``). Pure: no engine is
+    asked anything."""
+    n = len(probes)
+    out: dict[int, dict[str, Any]] = {}
+    if backend == Backend.NCCL:
+        local = hosts.local_indices([pr["machine"] for pr in probes])
+        for r, pr in enumerate(probes):
+            device = hosts.cuda_device(local[r], pr.get("cuda_visible"), pr.get("gpus", 0))
+            out[r] = {"env": hosts.nccl_env(r, n, ip, port, device)}
+    elif backend == Backend.JACCL:
+        if placement is None:
+            raise StartError("jaccl needs a hostfile with each host's rdma devices")
+        devices = json.dumps(hosts.ibv_devices(placement, ring=placement.jaccl_ring))
+        for r in range(n):
+            out[r] = {
+                "env": hosts.jaccl_env(r, n, f"{ip}:{port}", ring=placement.jaccl_ring),
+                "env_files": {"MLX_IBV_DEVICES": devices},
+            }
+    return out
+
+
+def _free_port(
+    cluster: Cluster, order: dict[int, int], places: dict[int, RankPlace], ip: str, t_end: float
+) -> int:
+    """A free port on rank 0's ``ip``, where the other ranks meet it."""
+    ar = cluster.client[order[0]].apply_async(rpc.free_ports, [ip])
+    try:
+        return int(ar.get(timeout=max(0.1, t_end - time.monotonic()))[0])
+    except Exception as e:  # noqa: BLE001
+        raise StartError(
+            f"rank 0 (engine {order[0]} on {places[0].describe()}): {short_error(e)}"
+        ) from None
 
 
 def _ring_endpoints(

@@ -19,11 +19,11 @@ from typing import Any
 
 import psutil
 
-from .. import processes
+from .. import config, processes
 from ..engine import rpc
 from ..errors import StartError
 from ..outcomes import short_error
-from ..results import RankInfo
+from ..results import RankInfo, RankStack
 from .cluster import Cluster, describe_exit
 from .formation import Formed, RankPlace
 
@@ -36,6 +36,9 @@ class RankGroup:
         self.ranks: dict[int, RankInfo] = formed.ranks
         self.places: dict[int, RankPlace] = formed.places
         self.procs: dict[int, psutil.Process] = {}
+        #: each cell the group ran, by cell number: its name (``In [7]``) and source;
+        #: stacks name their frames from it
+        self.sources: dict[int, tuple[str, str]] = {}
         for r, info in self.ranks.items():
             if not self.places[r].local:
                 continue
@@ -87,6 +90,12 @@ class RankGroup:
 
     def infrastructure_problem(self) -> str:
         return self.cluster.infrastructure_problem()
+
+    def rank_stacks(self, ranks: list[int]) -> dict[int, RankStack]:
+        """Where ``ranks``' main threads are now, trimmed to the user's code."""
+        from . import stacks
+
+        return stacks.request(self, ranks, self.sources, timeout=config.STACK_TIMEOUT)
 
     # -- what the ranks publish -----------------------------------------------------
     def rank_file(self, rank: int, ext: str) -> str:

@@ -11,6 +11,12 @@
     │                            (active / peak) | RSS · CPU | collectives · bytes moved
     ├── VBox .mlxdist-progress   each rank's bars of its latest cell and the scalar plots
     │                            (see :mod:`mlx_nbdist.viz.progress`)
+    ├── HTML .mlxdist-memory     memory over time per rank (RSS, MLX active), and a warning
+    │                            for a rank whose machine runs out of memory
+    │                            (see :mod:`mlx_nbdist.viz.memory`)
+    ├── HTML .mlxdist-where      every rank's stack, after a click on [Where]
+    ├── HTML .mlxdist-comm       the last ``--profile`` cell's collectives: share of the
+    │                            time, bandwidth against the probe, who was waited for
     └── HTML .mlxdist-model      parameters and local shard shapes of a watched model
 
 **Updates.** The ranks publish their state every 0.25 s (``engine/monitor.py``) and a
@@ -36,6 +42,9 @@ public JEP 91 message) and routes its buttons' comms there. With that:
   then ends those that did not stop (the session is then broken and needs a
   restart). Between cells it sends SIGINT to ranks that are still busy (after an
   interrupted or timed-out call) and says when no rank is busy.
+* **Where** shows every rank's current stack (innermost frame in the user's cell
+  first), read from a signal-triggered dump (see :mod:`mlx_nbdist.session.stacks`):
+  it never touches the ipyparallel client, so it works during a cell too.
 * **Restart** / **Stop** during a cell interrupt it first, then restart / stop the
   session in the cell's own thread once the cell has ended (the ipyparallel client
   is not thread-safe, so nothing else touches it while the cell runs).
@@ -59,6 +68,7 @@ from .. import config
 from .._ipykernel import control_subshell, route_to_subshell
 from ..results import RankState
 from .common import human_bytes, rank_hex
+from .memory import MemoryHistory
 from .progress import ProgressPanel, collect, running_cell
 from .status import STATE_COLORS, dashboard_text, header_html, header_values, rank_values
 
@@ -199,6 +209,8 @@ class Dashboard:
         self.buttons = {
             "interrupt": w.Button(description="Interrupt", icon="stop",
                                   tooltip="interrupt the running cell (SIGINT to busy ranks)"),
+            "where": w.Button(description="Where", icon="search",
+                              tooltip="show where every rank is (its stack)"),
             "restart": w.Button(description="Restart", icon="refresh",
                                 tooltip="new engines, same N and backend"),
             "stop": w.Button(description="Stop", icon="power-off", button_style="danger",
@@ -207,6 +219,7 @@ class Dashboard:
         for name, b in self.buttons.items():
             b.add_class(f"mlxdist-{name}")
         self.buttons["interrupt"].on_click(lambda _: self._guarded(self.interrupt))
+        self.buttons["where"].on_click(lambda _: self._guarded(self.where))
         self.buttons["restart"].on_click(lambda _: self._guarded(self.restart))
         self.buttons["stop"].on_click(lambda _: self._guarded(self.stop))
         self.message = w.HTML()
@@ -221,9 +234,17 @@ class Dashboard:
         self.progress = ProgressPanel()
         self.model_box = w.HTML()
         self.model_box.add_class("mlxdist-model")
+        self.memory = MemoryHistory()
+        self.memory_box = w.HTML()
+        self.memory_box.add_class("mlxdist-memory")
+        self.where_box = w.HTML()
+        self.where_box.add_class("mlxdist-where")
+        self.comm_box = w.HTML()
+        self.comm_box.add_class("mlxdist-comm")
+        self._comm_seen: tuple[str, int] = ("", 0)  # (session id, profiled cells) shown
         self.widget = w.VBox(
             [self.header, self.controls, self.hint, self.ranks_box, self.progress.widget,
-             self.model_box]
+             self.memory_box, self.comm_box, self.where_box, self.model_box]
         )  # fmt: skip
         self.widget.add_class("mlxdist-dashboard")
 
@@ -304,6 +325,11 @@ class Dashboard:
                     self._show_row(r, vals)
                 bars, scalars = collect(records)
                 self.progress.update(bars, scalars, {r: v["state"] for r, v in ranks.items()})
+                self.memory.update(records)
+                self._show_comm(s)
+                html_memory = self.memory.html()
+                if self.memory_box.value != html_memory:
+                    self.memory_box.value = html_memory
             mv = model_values(records) if self.model else {}
             html_model = model_html(mv, s.n if s is not None else 0)
             if self.model_box.value != html_model:
@@ -315,6 +341,8 @@ class Dashboard:
                 "message": self.message.value,
                 "progress": self.progress.values(),
                 "model": mv,
+                "memory": self.memory.values(),
+                "comm": self.comm_box.value,
                 "live_controls": self.live_controls,
             }
             return self._values
@@ -335,6 +363,24 @@ class Dashboard:
                 value = html.escape(text)
             if cells[key].value != value:
                 cells[key].value = value
+
+    def _show_comm(self, s: Any) -> None:
+        """The last profiled cell's summary (recomputed only when a new one arrived)."""
+        profiles = getattr(s, "profiles", None)
+        key = (s.session_id or "", len(profiles.cells) if profiles is not None else 0)
+        if key == self._comm_seen:
+            return
+        self._comm_seen = key
+        text = ""
+        if key[1]:
+            try:
+                text = s.timeline(1).summary()
+            except Exception:  # noqa: BLE001 - a display must never break the dashboard
+                text = ""
+        self.comm_box.value = (
+            f"<div><b>collectives</b> (last <code>--profile</code> cell): {html.escape(text)}</div>"
+            if text else ""
+        )
 
     def values(self) -> dict[str, Any]:
         """The dashboard's state as plain values (header, ranks, progress, model, message)."""
@@ -423,6 +469,7 @@ class Dashboard:
     def _all_widgets(self) -> list[Any]:
         out = [self.widget, self.header, self.controls, self.message, self.hint,
                self.ranks_box, self.titles, self.model_box, self.progress.widget,
+               self.memory_box, self.comm_box, self.where_box,
                *self.buttons.values()]  # fmt: skip
         for row in self.rows.values():
             out += [row["box"], *row["cells"].values()]
@@ -459,6 +506,21 @@ class Dashboard:
             return self._say("no rank is busy: nothing to interrupt")
         s.kill_ranks(busy, signal.SIGINT)
         return self._say(f"sent SIGINT to busy rank(s) {busy}")
+
+    def where(self) -> str:
+        """Show every rank's current stack (during a cell too)."""
+        s = self.session
+        if s is None or s.state == "stopped":
+            return self._say("no session is running")
+        stacks = s.where()
+        blocks = "".join(
+            f'<pre style="margin:2px 0; color:{rank_hex(r)}">{html.escape(st.format())}</pre>'
+            for r, st in stacks.items()
+        )
+        title = f"<div><b>where the ranks are</b> ({time.strftime('%X')})</div>"
+        self.where_box.value = title + blocks
+        busy = [r for r, st in stacks.items() if st.frames]
+        return self._say(f"stacks of {len(stacks)} ranks; in cell code: {busy or 'none'}")
 
     def _sigint_if_undelivered(self, s: Any, live: Any) -> None:
         if live.interrupt_delivered.is_set() or running_cell(s) is not live:

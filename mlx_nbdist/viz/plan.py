@@ -12,13 +12,15 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mlx_nbdist.results import HeadRow, PlanRow, StageRow
 from mlx_nbdist.viz.common import WARN_COLOR, human_bytes, rank_hex, text_table
 
-__all__ = ["COLUMNS", "PlanColumn", "PlanView", "format_plan", "plan_table_html", "plan_view"]
+__all__ = ["COLUMNS", "PlanColumn", "PlanView", "extras_of", "format_plan", "plan_table_html",
+           "plan_view"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,12 @@ class PlanView:
     stages: list[list[str]]
     #: layer index -> the rank that runs it (pipeline), for the layer->rank picture
     layer_ranks: list[int]
+
+
+def extras_of(plan: Any) -> dict[str, Any]:
+    """What a plan object (a ``ShardPlan``, the notebook's ``PlanTable``) holds besides
+    its rows and group size, as :func:`plan_view`'s keyword arguments."""
+    return {k: getattr(plan, k) for k in ("problems", "warnings", "heads", "stages", "own")}
 
 
 def plan_view(
@@ -134,31 +142,22 @@ def _footer(rows: Sequence[PlanRow], group_size: int, stages: Sequence[StageRow]
     return text
 
 
-def format_plan(
-    rows: list[PlanRow],
-    group_size: int,
-    *,
-    problems: Sequence[str] = (),
-    warnings: Sequence[str] = (),
-    heads: Sequence[HeadRow] = (),
-    stages: Sequence[StageRow] = (),
-    own: str = "",
-) -> str:
+def format_plan(rows: list[PlanRow], group_size: int, **extras: Any) -> str:
     """The sharding plan as an aligned text table.
 
     Args:
         rows: the plan, one row per parameter.
         group_size: the number of ranks the plan is for.
-        problems: the plan's problems, listed after the table (``problem: …``).
-        warnings: the plan's warnings, listed after them (``warning: …``).
-        heads, stages, own: as :func:`plan_view` takes them.
+        extras: ``problems`` (listed after the table, ``problem: …``), ``warnings``
+            (after them, ``warning: …``), ``heads``, ``stages``, ``own``: as
+            :func:`plan_view` takes them (:func:`extras_of` reads them off a plan).
 
     Returns:
         The heads table (tensor parallel) or the stages and a layer->rank line
         (pipeline), then the table (rows with a problem start with ``!!``), the
         totals footer, then the notes.
     """
-    view = plan_view(rows, group_size, problems, warnings, heads, stages, own)
+    view = plan_view(rows, group_size, **extras)
     headers = ("", *(c.title for c in COLUMNS))
     body = [
         ["!!" if bad else "", *cells] for cells, bad in zip(view.cells, view.flagged, strict=True)
@@ -176,16 +175,7 @@ def format_plan(
     return "\n".join([*top, *table, view.footer, *notes])
 
 
-def plan_table_html(
-    rows: list[PlanRow],
-    group_size: int,
-    *,
-    problems: Sequence[str] = (),
-    warnings: Sequence[str] = (),
-    heads: Sequence[HeadRow] = (),
-    stages: Sequence[StageRow] = (),
-    own: str = "",
-) -> str:
+def plan_table_html(rows: list[PlanRow], group_size: int, **extras: Any) -> str:
     """An HTML table of a sharding plan, problems highlighted in red.
 
     Takes the arguments of :func:`format_plan`; the plan's problems are listed in
@@ -197,7 +187,7 @@ def plan_table_html(
         the total bytes per rank against the unsharded total; then a ``<ul>`` of the
         notes, if any.
     """
-    view = plan_view(rows, group_size, problems, warnings, heads, stages, own)
+    view = plan_view(rows, group_size, **extras)
     head = "".join(
         f'<th style="text-align:left;padding:2px 8px">{html.escape(c.title)}</th>' for c in COLUMNS
     )

@@ -1,0 +1,106 @@
+"""What the collective recorder costs: profile off versus on, side by side.
+
+* Cell round trip: a trivial cell through ``Session.run`` unprofiled and profiled,
+  interleaved on the same engines (a profiled cell also publishes its record).
+* Tensor-parallel step (``tp_step.SETUP``: Megatron MLP 1024 -> 4096 -> 1024, batch
+  64, 2 ranks): the step timed inside an unprofiled cell and inside a profiled one,
+  alternating trials. Profiling evaluates every collective where it is issued, so
+  compute and communication no longer overlap: the "on" column is that cost.
+* The hook the recorder adds to every collective when it is off (one attribute test
+  in the tracker's wrapper), timed in this process: with it, "off" cannot differ
+  measurably from a tracker without the hook (a TP step issues a handful of
+  collectives in hundreds of milliseconds).
+
+Needs ``Session.run(..., profile=True)`` (issue 17's wiring in session/core.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import stats, time_it  # noqa: E402
+from tp_step import SETUP  # noqa: E402
+
+from mlx_nbdist import Session  # noqa: E402
+
+
+def hook_ns(calls: int = 1_000_000) -> float:
+    """Nanoseconds per call of the recorder-off test, over an empty loop's."""
+
+    class Holder:
+        recorder = None
+
+    t = Holder()
+
+    def with_hook() -> None:
+        for _ in range(calls):
+            if t.recorder is None:
+                pass
+
+    def without() -> None:
+        for _ in range(calls):
+            pass
+
+    best = min(time_it(with_hook) - time_it(without) for _ in range(5))
+    return max(best, 0.0) / calls * 1e9
+
+
+def _values(result) -> list[float]:  # type: ignore[no-untyped-def]
+    return [float(v) for v in result.ranks[0].result_text.strip("[]").split(",")]
+
+
+def measure(n: int = 2, runs: int = 100, trials: int = 5, reps: int = 4) -> dict:
+    if "profile" not in inspect.signature(Session.run).parameters:
+        raise SystemExit(
+            "Session.run has no profile= argument yet: apply issue 17's wiring to "
+            "mlx_nbdist/session/core.py first"
+        )
+    out: dict = {}
+    with Session(n, timeout=600) as s:
+        s.run("pass", profile=True)  # the first profiled cell probes clocks and bandwidth
+        for _ in range(10):
+            s.run("pass")
+            s.run("pass", profile=True)
+        rt: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(runs):
+            rt["off"].append(time_it(lambda: s.run("pass")))
+            rt["on"].append(time_it(lambda: s.run("pass", profile=True)))
+        out["round trip"] = {k: stats(v) for k, v in rt.items()}
+        out["round trip"]["on / off"] = (
+            out["round trip"]["on"]["median"] / out["round trip"]["off"]["median"]
+        )
+        s.run(SETUP)
+        steps: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(trials):
+            for key, prof in (("off", False), ("on", True)):
+                r = s.run(f"_t = timed(step, {reps})\n_t", profile=prof)
+                steps[key] += _values(r)
+        out["tp step"] = {k: stats(v) for k, v in steps.items()}
+        out["tp step"]["on / off"] = (
+            out["tp step"]["on"]["median"] / out["tp step"]["off"]["median"]
+        )
+        s.run("step()", profile=True)
+        out["tp step"]["profiled summary"] = s.timeline().summary()
+    out["recorder-off hook, ns per collective"] = hook_ns()
+    return out
+
+
+def main() -> dict:
+    t0 = time.perf_counter()
+    out = {"2 ranks": measure(2)}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    if sys.argv[1:] == ["--hook"]:  # runs without engines or wiring
+        print(json.dumps({"recorder-off hook, ns per collective": hook_ns()}))
+    else:
+        print(json.dumps(main(), indent=1, default=str))

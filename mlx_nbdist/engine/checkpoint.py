@@ -1,0 +1,476 @@
+"""Save and load a sharded model (and its optimizer state) on the ranks.
+
+Runs inside a rank; the notebook (:mod:`mlx_nbdist.client.checkpoint`) applies these
+functions with ``Session.apply`` (by reference: this module is importable on every
+rank) and owns the order: :func:`describe` on every rank, :func:`inspect` on rank 0,
+:func:`save_shard` on every rank into a staging folder, :func:`commit` on rank 0 (the
+atomic swap); or :func:`verify_files` spread over the ranks, then :func:`load_shard`.
+None of them issues a collective, so a rank that fails leaves the group usable.
+
+Tensors are named by their *canonical* path: the parameter path in the model, less the
+``module.`` prefix of an FSDP wrapper, so a checkpoint saved under one layout loads
+under any other. Layouts come from :func:`mlx_nbdist.engine.sharding.param_specs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed as mxd
+from mlx.utils import tree_flatten
+
+from ..checkpoint_index import (
+    INDEX_NAME,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    Index,
+    Layout,
+    SafetensorsFile,
+    TensorEntry,
+    pieces,
+)
+from ..results import ShardMode
+from .dtypes import dtype_name
+from .sharding import param_specs
+from .state import current
+
+__all__ = [
+    "OPTIMIZER_PREFIX",
+    "TOKENIZER_FILES",
+    "commit",
+    "describe",
+    "discard",
+    "file_name",
+    "inspect",
+    "load_shard",
+    "save_shard",
+    "sha256",
+    "verify_files",
+    "write_tensors",
+]
+
+#: the files of an mlx-lm model folder that are not weights, copied along
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json", "chat_template.json", "chat_template.jinja")
+
+
+def file_name(rank: int) -> str:
+    """The file rank ``rank`` writes."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def write_tensors(path: str, arrays: dict[str, mx.array]) -> None:
+    """Write ``arrays`` to ``path`` (``mx.save_safetensors``); a module attribute, so a
+    test can make one rank's disk "fill" by replacing it on that rank."""
+    mx.save_safetensors(path, arrays)
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------- the rank's names
+
+
+def _namespace() -> dict[str, Any]:
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    return ip.user_ns if ip is not None else {}
+
+
+def _lookup(name: str, command: str) -> nn.Module:
+    """The model ``name`` in this rank's namespace, or a CheckpointError saying why not."""
+    ns = _namespace()
+    if name not in ns:
+        raise CheckpointError(f"{command}: {name!r} is not defined on this rank (define it "
+                              "in a %%mlxdist cell)")
+    model = ns[name]
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"{command}: {name!r} is a {type(model).__name__}, not a model "
+                              "(an mlx.nn.Module)")
+    return model
+
+
+def _prefix(model: nn.Module) -> str:
+    """What an FSDP wrapper adds in front of every parameter path."""
+    return "module." if isinstance(model, mxd.FullyShardedModule) else ""
+
+
+def _canonical(path: str, prefix: str) -> str:
+    return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
+# ----------------------------------------------------------------------- describing
+
+
+def describe(name: str, optimizer: str | None = None) -> dict[str, Any]:
+    """This rank's layout of model ``name`` (and optimizer ``optimizer``), as plain data.
+
+    Returns ``{"defined": False, "what": ...}`` when ``name`` is not a model here (the
+    notebook names the ranks), else ``{"params": {canonical: spec}, "optimizer":
+    {canonical: spec}, "optimizer_class", "model_class", "quantization", "lm"}``.
+    """
+    ns = _namespace()
+    model = ns.get(name)
+    if not isinstance(model, nn.Module):
+        return {"defined": False,
+                "what": "not defined" if name not in ns else f"a {type(model).__name__}"}
+    st = current()
+    out: dict[str, Any] = {"defined": True, "model_class": type(model).__name__,
+                           "params": _param_layout(model, st.rank, st.size),
+                           "quantization": _quantization(model), "lm": _lm_config(model)}
+    out["optimizer"], out["optimizer_class"], out["optimizer_defined"] = {}, "", True
+    if optimizer is not None:
+        opt = ns.get(optimizer)
+        if opt is None or not hasattr(opt, "state") or not hasattr(opt, "init"):
+            out["optimizer_defined"] = False
+            return out
+        _init_state(opt, model)
+        out["optimizer_class"] = type(opt).__name__
+        out["optimizer"] = _optimizer_layout(opt, model, out["params"])
+    return out
+
+
+def _param_layout(model: nn.Module, rank: int, size: int) -> dict[str, dict[str, Any]]:
+    prefix = _prefix(model)
+    out = {}
+    for path, spec in param_specs(model, group_size=size, rank=rank).items():
+        out[_canonical(path, prefix)] = {
+            "raw": path, "shape": list(spec.full_shape), "local_shape": list(spec.local_shape),
+            "dtype": spec.dtype, "mode": spec.mode.value, "axis": spec.axis,
+            "segments": spec.segments, "group_size": spec.group_size if spec.axis is not None
+            else 1, "kind": spec.kind, "layer": spec.layer,
+            "index": spec.rank if spec.axis is not None else 0}
+    return out
+
+
+def _init_state(opt: Any, model: nn.Module) -> None:
+    """Give a fresh optimizer its state entries (zeros) so they can be saved or filled;
+    ``Optimizer.init`` keeps the entries that exist."""
+    opt.init(model.trainable_parameters())
+
+
+def _optimizer_layout(opt: Any, model: nn.Module, params: dict[str, dict[str, Any]]
+                      ) -> dict[str, dict[str, Any]]:
+    """Each optimizer state entry, split like the parameter it belongs to (same local
+    shape), else whole (``step``, ``learning_rate``)."""
+    prefix = _prefix(model)
+    by_raw = {p["raw"]: (c, p) for c, p in params.items()}
+    out = {}
+    for key, arr in tree_flatten(opt.state):
+        if not isinstance(arr, mx.array):
+            continue
+        owner = _owner(key, by_raw)
+        local = list(arr.shape)
+        canonical = _canonical(key, prefix)
+        if owner is not None and by_raw[owner][1]["local_shape"] == local:
+            c, p = by_raw[owner]
+            out[canonical] = {**p, "raw": key, "dtype": dtype_name(arr.dtype), "of": c}
+        else:
+            out[canonical] = {"raw": key, "shape": local, "local_shape": local,
+                              "dtype": dtype_name(arr.dtype), "mode": ShardMode.REPLICATED.value,
+                              "axis": None, "segments": 1, "group_size": 1,
+                              "kind": "replicated", "layer": type(opt).__name__, "index": 0,
+                              "of": _canonical(owner, prefix) if owner else ""}
+    return out
+
+
+def _owner(key: str, by_raw: dict[str, Any]) -> str | None:
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in by_raw:
+            return candidate
+    return None
+
+
+def _quantization(model: nn.Module) -> dict[str, dict[str, Any]]:
+    prefix = _prefix(model)
+    out = {}
+    for path, module in model.named_modules():
+        if hasattr(module, "scales") and hasattr(module, "bits"):
+            out[_canonical(path, prefix)] = {"bits": int(module.bits),
+                                             "group_size": int(module.group_size),
+                                             "mode": str(getattr(module, "mode", "affine"))}
+    return out
+
+
+def _lm_config(model: nn.Module) -> dict[str, Any] | None:
+    """The mlx-lm config of ``model``: mlx-lm's ``Model`` keeps its ``ModelArgs`` as
+    ``args`` (``mlx_nbdist.load`` drops the config dict ``load_model`` returns); with
+    ``nbdist_source`` (a model folder) its ``config.json`` is taken as it is."""
+    inner = model.module if isinstance(model, mxd.FullyShardedModule) else model
+    source = getattr(inner, "nbdist_source", None)
+    if source and (Path(source) / "config.json").is_file():
+        import json
+
+        return {"config": json.loads((Path(source) / "config.json").read_text()),
+                "source": str(source)}
+    args = getattr(inner, "args", None)
+    if args is None or not is_dataclass(args) or not getattr(args, "model_type", None):
+        return None
+    # unset fields (None) left out: transformers' config classes, which mlx_lm.load's
+    # tokenizer reads config.json with, refuse a null where they expect a number
+    config = {k: v for k, v in asdict(args).items() if v is not None and _jsonable(v)}
+    return {"config": config, "source": ""}
+
+
+def _jsonable(value: Any) -> bool:
+    import json
+
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def inspect(directory: str) -> dict[str, Any]:
+    """What ``directory`` holds now: its index text (or ``None``) and its other entries."""
+    d = Path(directory)
+    if not d.exists():
+        return {"exists": False, "index": None, "others": []}
+    if not d.is_dir():
+        return {"exists": True, "index": None, "others": [], "not_dir": True}
+    index = d / INDEX_NAME
+    text = index.read_text() if index.is_file() else None
+    ours = (INDEX_NAME,)
+    others = sorted(p.name for p in d.iterdir() if p.name not in ours and not (
+        p.name.startswith((".staging-", "shards-")) and p.is_dir()))
+    return {"exists": True, "index": text, "others": others, "not_dir": False}
+
+
+def save_shard(name: str, directory: str, staging: str, writes: dict[int, dict[str, list[str]]],
+               optimizer: str | None = None, tokenizer_from: str | None = None
+               ) -> dict[str, Any]:
+    """Write this rank's share of the checkpoint into ``directory/staging``.
+
+    Args:
+        name: the model's name on the ranks; ``optimizer``: the optimizer's.
+        staging: the staging folder (inside ``directory``) every rank writes into.
+        writes: per rank, ``{"params": [canonical paths], "optimizer": [canonical
+            keys]}`` it writes (replicated tensors are written by one holder only).
+        tokenizer_from: rank 0 copies the tokenizer files of this mlx-lm folder.
+
+    Returns:
+        ``{"file", "sha256", "bytes", "keys": {canonical: key in the file}}``, or
+        ``{"file": None}`` when this rank writes nothing. The file is written under a
+        temporary name and renamed when complete.
+    """
+    st = current()
+    ns = _namespace()
+    model = _lookup(name, "save")
+    mine = writes.get(st.rank) or writes.get(str(st.rank)) or {}  # type: ignore[call-overload]
+    folder = Path(directory) / staging
+    folder.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"file": None, "keys": {}, "tokenizer_files": []}
+    if st.rank == 0 and tokenizer_from:
+        out["tokenizer_files"] = _copy_tokenizer(Path(tokenizer_from), folder)
+    arrays: dict[str, mx.array] = {}
+    if mine.get("params"):
+        params = dict(tree_flatten(model.parameters()))
+        prefix = _prefix(model)
+        for c in mine["params"]:
+            arrays[c] = params[prefix + c if prefix + c in params else c]
+    if mine.get("optimizer"):
+        opt = ns[optimizer] if optimizer else None
+        state = dict(tree_flatten(opt.state)) if opt is not None else {}
+        prefix = _prefix(model)
+        for c in mine["optimizer"]:
+            arrays[OPTIMIZER_PREFIX + c] = state[prefix + c if prefix + c in state else c]
+    if not arrays:
+        return out
+    mx.eval(list(arrays.values()))
+    final = folder / file_name(st.rank)
+    partial = folder / f"rank-{st.rank:05d}.partial.safetensors"
+    try:
+        write_tensors(str(partial), arrays)
+        os.replace(partial, final)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    out.update(file=final.name, sha256=sha256(final), bytes=final.stat().st_size,
+               keys={k: k for k in arrays})
+    return out
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> list[str]:
+    copied = []
+    for n in TOKENIZER_FILES:
+        if (source / n).is_file():
+            shutil.copy2(source / n, folder / n)
+            copied.append(n)
+    return copied
+
+
+def discard(directory: str, staging: str) -> bool:
+    """Remove a staging folder left by a save that did not finish."""
+    path = Path(directory) / staging
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    return False
+
+
+def commit(directory: str, staging: str, index_json: str) -> str:
+    """Make the staged checkpoint the current one (rank 0, after every rank wrote).
+
+    The staging folder becomes ``shards-<id>``; then ``index.json`` is replaced in one
+    ``os.replace`` (a crash before it leaves the previous index, and its files, as
+    they were); then the previous shards folder and stale staging folders go.
+    """
+    d = Path(directory)
+    index = Index.from_json(index_json, "the new index")
+    staged = d / staging
+    final = d / index.shards_dir
+    os.replace(staged, final)
+    tmp = d / f".{INDEX_NAME}.partial"
+    with open(tmp, "w") as f:
+        f.write(index_json)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, d / INDEX_NAME)
+    _fsync_dir(d)
+    for p in d.iterdir():
+        if p.is_dir() and p.name != index.shards_dir and p.name.startswith(
+                ("shards-", ".staging-")):
+            shutil.rmtree(p, ignore_errors=True)
+    return str(final)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------- loading
+
+
+def verify_files(directory: str, index_json: str, names: list[str]) -> list[str]:
+    """Check the sha256 of the files ``names`` of the checkpoint; returns the problems."""
+    index = Index.from_json(index_json)
+    folder = Path(directory) / index.shards_dir
+    problems = []
+    for n in names:
+        entry = index.files[n]
+        path = folder / n
+        who = f"{n} (written by rank {entry.rank})"
+        if not path.is_file():
+            problems.append(f"{who} is missing from {folder}")
+        elif path.stat().st_size != entry.bytes:
+            problems.append(f"{who} has {path.stat().st_size} bytes, the index says "
+                            f"{entry.bytes}: the file is truncated or was changed")
+        elif sha256(path) != entry.sha256:
+            problems.append(f"{who} is corrupt: its sha256 differs from the index's")
+    return problems
+
+
+def load_shard(name: str, directory: str, index_json: str, optimizer: str | None = None
+               ) -> dict[str, Any]:
+    """Fill this rank's parameters (and optimizer state) of model ``name`` from the
+    checkpoint, reading only the slices this rank holds under its current layout.
+
+    Returns ``{"bytes_read", "tensors", "files"}`` for this rank.
+    """
+    st = current()
+    ns = _namespace()
+    model = _lookup(name, "load")
+    index = Index.from_json(index_json)
+    folder = Path(directory) / index.shards_dir
+    readers: dict[str, SafetensorsFile] = {}
+    try:
+        params = _param_layout(model, st.rank, st.size)
+        values = [(spec["raw"], _assemble(c, index.params.get(c), spec, folder, index,
+                                          readers, "parameter")) for c, spec in params.items()]
+        opt_values = []
+        if optimizer is not None:
+            opt = ns[optimizer]
+            _init_state(opt, model)
+            layout = _optimizer_layout(opt, model, params)
+            opt_values = [(spec["raw"], _assemble(c, index.optimizer.get(c), spec, folder,
+                                                  index, readers, "optimizer entry"))
+                          for c, spec in layout.items()]
+        read = sum(r.bytes_read for r in readers.values())
+        files = sorted(readers)
+    finally:
+        for r in readers.values():
+            r.close()
+    model.load_weights(values, strict=False)
+    if optimizer is not None:
+        opt = ns[optimizer]
+        for raw, value in opt_values:
+            _set_path(opt.state, raw, value)
+        mx.eval(opt.state)
+    mx.eval(model.parameters())
+    return {"bytes_read": read, "tensors": len(values) + len(opt_values), "files": files}
+
+
+def _assemble(canonical: str, entry: TensorEntry | None, spec: dict[str, Any], folder: Path,
+              index: Index, readers: dict[str, SafetensorsFile], what: str) -> mx.array:
+    import numpy as np
+
+    if entry is None:
+        raise CheckpointError(f"{what} {canonical} of this rank is not in the checkpoint")
+    if entry.dtype != spec["dtype"]:
+        raise CheckpointError(f"{what} {canonical}: the checkpoint holds {entry.dtype}, the "
+                              f"model has {spec['dtype']}")
+    target = Layout(tuple(spec["shape"]), spec["axis"], spec["segments"], spec["group_size"])
+    local = tuple(spec["local_shape"])
+    if target.local_shape() != local:
+        raise CheckpointError(f"{what} {canonical}: this rank holds {local}, which is not a "
+                              f"1/{target.n_ranks} split of {tuple(spec['shape'])}")
+    out: Any = None
+    for piece in pieces(canonical, entry, target, spec["index"]):
+        reader = readers.get(piece.file)
+        if reader is None:
+            rank = index.files[piece.file].rank if piece.file in index.files else "?"
+            path = folder / piece.file
+            if not path.is_file():
+                raise CheckpointError(f"{piece.file} (written by rank {rank}) is missing from "
+                                      f"{folder}")
+            reader = readers[piece.file] = SafetensorsFile(
+                str(path), f"{piece.file} (written by rank {rank})")
+        data = reader.read(piece.key, piece.src)
+        if out is None:
+            out = np.empty(local, dtype=data.dtype)
+        out[tuple(slice(a, b) for a, b in piece.dst)] = data
+    arr = mx.array(out)
+    if entry.dtype == "bfloat16":
+        arr = arr.view(mx.bfloat16)
+    return arr
+
+
+def _set_path(tree: Any, path: str, value: mx.array) -> None:
+    parts = path.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node[int(p)] if isinstance(node, list | tuple) else node[p]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value

@@ -1,0 +1,486 @@
+"""Per-rank timelines of profiled cells, their statistics and Chrome trace export.
+
+Three layers: the pure timeline logic on hand-made rank records (waits, the rank
+everyone waited for, statistics, bandwidth, the trace validated against the
+trace-event format); the rank-side recorder in this process on a real MLX group of
+one (the tracker wrapping ``mx.distributed``); and real 2-rank sessions through
+``Session.run(code, profile=True)``, skipped until the session exposes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mlx_nbdist import Session
+from mlx_nbdist.errors import NotStartedError
+from mlx_nbdist.session.profile import Profiles
+from mlx_nbdist.timelines import (
+    ClockOffset,
+    NoProfileError,
+    SegmentKind,
+    build,
+    estimate_offset,
+    to_chrome_trace,
+    write_trace,
+)
+
+NS = 1_000_000_000
+T0 = 1_700_000_000 * NS  # a wall-clock origin, as ranks publish it
+
+
+# ------------------------------------------------------------------- hand-made records
+
+
+def event(op: str, ready: float, done: float, *, index: int, nbytes: int = 1 << 20,
+          peer: int | None = None, timed: bool = True, shape: tuple[int, ...] = (262144,),
+          world: bool = True, clock: float = 0.0) -> dict[str, Any]:
+    """One recorded collective; times in seconds after T0 on the notebook's clock,
+    shifted by the rank's ``clock`` offset (what its own clock read)."""
+    return {
+        "index": index, "op": op, "shape": list(shape), "dtype": "float32", "peer": peer,
+        "nbytes": nbytes, "world": world, "check": False, "timed": timed,
+        "t_issue": T0 + int((ready - 0.001 + clock) * NS),
+        "t_ready": T0 + int((ready + clock) * NS), "t_done": T0 + int((done + clock) * NS),
+    }
+
+
+def record(rank: int, cell: int, start: float, end: float, events: list[dict[str, Any]],
+           clock: float = 0.0, size: int = 2) -> dict[str, Any]:
+    return {"rank": rank, "size": size, "backend": "ring", "cell": cell, "status": "ok",
+            "start_ns": T0 + int((start + clock) * NS), "end_ns": T0 + int((end + clock) * NS),
+            "events": events, "dropped": 0}
+
+
+def unbalanced_cell(cell: int = 1, base: float = 0.0, clock1: float = 0.0) -> dict[int, Any]:
+    """Rank 1 computes 0.3 s longer before an all_sum of 1 MiB that then takes 10 ms."""
+    b = base
+    return {
+        0: record(0, cell, b, b + 0.4, [event("all_sum", b + 0.05, b + 0.36, index=1)]),
+        1: record(1, cell, b, b + 0.4,
+                  [event("all_sum", b + 0.35, b + 0.36, index=1, clock=clock1)], clock=clock1),
+    }
+
+
+# ------------------------------------------------------------- a trace-event validator
+
+#: from the Trace Event Format document (docs.google.com/document/d/1CvAClvFfyA5R-PhYU
+#: mn5OOQtYMH4h6I0nSsKchNAySU): every phase it defines
+SPEC_PHASES = set("BEXiICbneSTpFstfPNODMVvRc()")
+SPEC_METADATA = {"process_name", "process_labels", "process_sort_index", "thread_name",
+                 "thread_sort_index"}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def trace_problems(doc: Any) -> list[str]:
+    """What makes ``doc`` not a valid JSON-object-format trace (empty: valid)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        return ["not a JSON object with a traceEvents list"]
+    out = []
+    if doc.get("displayTimeUnit", "ms") not in ("ms", "ns"):
+        out.append(f"displayTimeUnit {doc['displayTimeUnit']!r} is not ms or ns")
+    try:
+        json.dumps(doc, allow_nan=False)
+    except ValueError as e:
+        out.append(f"not strict JSON: {e}")
+    complete: dict[tuple[int, int], list[tuple[float, float, str]]] = {}
+    for i, e in enumerate(doc["traceEvents"]):
+        missing = [k for k in ("name", "ph", "ts", "pid", "tid") if k not in e]
+        if missing:
+            out.append(f"event {i}: missing {missing}")
+            continue
+        if not isinstance(e["name"], str) or e["ph"] not in SPEC_PHASES:
+            out.append(f"event {i}: bad name or phase {e['ph']!r}")
+        if not _number(e["ts"]) or not isinstance(e["pid"], int) or not isinstance(e["tid"], int):
+            out.append(f"event {i}: ts must be a number, pid and tid integers")
+        if "args" in e and not isinstance(e["args"], dict):
+            out.append(f"event {i}: args must be an object")
+        if e["ph"] == "X":
+            if not _number(e.get("dur")) or e["dur"] < 0:
+                out.append(f"event {i}: a complete event needs dur >= 0")
+            else:
+                complete.setdefault((e["pid"], e["tid"]), []).append(
+                    (e["ts"], e["ts"] + e["dur"], e["name"]))
+        if e["ph"] in "iI" and e.get("s", "t") not in ("g", "p", "t"):
+            out.append(f"event {i}: instant scope {e.get('s')!r} is not g, p or t")
+        if e["ph"] == "M":
+            if e["name"] not in SPEC_METADATA:
+                out.append(f"event {i}: unknown metadata {e['name']!r}")
+            key = "name" if e["name"].endswith(("_name", "_labels")) else "sort_index"
+            if key not in e.get("args", {}):
+                out.append(f"event {i}: metadata {e['name']} needs args.{key}")
+    # complete events on one thread must nest (a slice inside another, or after it)
+    for (pid, tid), spans in complete.items():
+        stack: list[tuple[float, float, str]] = []
+        for s, t, name in sorted(spans, key=lambda x: (x[0], -x[1])):
+            while stack and s >= stack[-1][1] - 1e-3:
+                stack.pop()
+            if stack and t > stack[-1][1] + 1e-2:
+                out.append(f"pid {pid} tid {tid}: {name!r} [{s}, {t}] overlaps "
+                           f"{stack[-1][2]!r} ending at {stack[-1][1]}")
+            stack.append((s, t, name))
+    return out
+
+
+def test_the_validator_finds_bad_traces() -> None:
+    good = {"traceEvents": [{"name": "a", "ph": "X", "ts": 0, "dur": 5, "pid": 0, "tid": 0}]}
+    assert trace_problems(good) == []
+    bad = {"displayTimeUnit": "s", "traceEvents": [
+        {"name": "a", "ph": "X", "ts": 0, "pid": 0, "tid": 0},
+        {"name": "b", "ph": "Q", "ts": "1", "pid": 0, "tid": 0},
+        {"name": "thread_name", "ph": "M", "ts": 0, "pid": 0, "tid": 0, "args": {}},
+        {"name": "c", "ph": "X", "ts": 0, "dur": 10, "pid": 1, "tid": 0},
+        {"name": "d", "ph": "X", "ts": 5, "dur": 10, "pid": 1, "tid": 0},
+        {"ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0},
+    ]}
+    found = "\n".join(trace_problems(bad))
+    for what in ("displayTimeUnit", "needs dur", "phase 'Q'", "args.name", "overlaps",
+                 "missing ['name']"):
+        assert what in found, (what, found)
+
+
+# ------------------------------------------------------------------------- pure logic
+
+
+def test_the_late_rank_is_waited_for_and_the_other_waits() -> None:
+    tl = build([unbalanced_cell()], probe_gbps=0.2, backend="ring")
+    assert tl.waited_for == 1 and tl.slowest == 1
+    (c,) = tl.collectives
+    assert c.waited_for == 1 and c.waits[0] == pytest.approx(0.3, abs=1e-6) and c.waits[1] == 0
+    assert tl.wait[0] == pytest.approx(0.3, abs=1e-6) and tl.wait[1] == 0
+    kinds0 = [s.kind for s in tl.lanes[0]]
+    assert kinds0 == [SegmentKind.COMPUTE, SegmentKind.WAIT, SegmentKind.COLLECTIVE,
+                      SegmentKind.COMPUTE]
+    wait = tl.lanes[0][1]
+    assert (wait.op, wait.waited_for, wait.nbytes) == ("all_sum", 1, 1 << 20)
+    assert [s.kind for s in tl.lanes[1]] == [SegmentKind.COMPUTE, SegmentKind.COLLECTIVE,
+                                            SegmentKind.COMPUTE]
+    assert tl.compute[1] == pytest.approx(0.39, abs=1e-6)
+    assert tl.compute[0] == pytest.approx(0.09, abs=1e-6)
+
+
+def test_statistics_per_op_and_rank_and_the_bandwidth() -> None:
+    tl = build([unbalanced_cell()], probe_gbps=0.2, backend="ring")
+    st = tl.stats
+    all_ranks, r0, r1 = st.of("all_sum"), st.of("all_sum", 0), st.of("all_sum", 1)
+    assert all_ranks is not None and r0 is not None and r1 is not None
+    assert (r0.count, r0.nbytes) == (1, 1 << 20)
+    assert r0.time == pytest.approx(0.31, abs=1e-6) and r0.wait == pytest.approx(0.3, abs=1e-6)
+    assert r1.time == pytest.approx(0.01, abs=1e-6) and r1.wait == 0
+    # 1 MiB moved in the 10 ms after the last arrival: 0.105 GB/s, about half the probe
+    assert r0.gbps == pytest.approx((1 << 20) / 0.01 / 1e9, rel=1e-3)
+    assert r0.ratio == pytest.approx(r0.gbps / 0.2)
+    assert r0.share == pytest.approx(0.31 / 0.4, abs=1e-6)
+    assert all_ranks.share == pytest.approx((0.31 + 0.01) / 2 / 0.4, abs=1e-6)
+    text = st.table()
+    assert "all_sum" in text and "probe 0.2 GB/s" in text and "52%" in text
+
+
+def test_the_summary_says_where_the_time_went() -> None:
+    line = build([unbalanced_cell(cell=7)], probe_gbps=0.2, backend="ring").summary()
+    assert line.startswith("cell 7: 40% all_sum at 0.105 GB/s on ring (probe: 0.2 GB/s)"), line
+    assert "waiting, mostly for rank 1" in line and "slowest rank 1" in line
+
+
+def test_several_cells_are_concatenated_with_idle_between() -> None:
+    tl = build([unbalanced_cell(3, 0.0), unbalanced_cell(4, 1.0)], backend="ring")
+    assert tl.cells == [3, 4]
+    idle = [s for s in tl.lanes[0] if s.kind == SegmentKind.IDLE]
+    assert len(idle) == 1 and (idle[0].start, idle[0].end) == pytest.approx((0.4, 1.0))
+    assert len(tl.collectives) == 2 and tl.wait[0] == pytest.approx(0.6, abs=1e-6)
+    assert tl.stats.of("all_sum", 0).count == 2
+    assert "cells 3, 4" in tl.summary()
+
+
+def test_clock_offsets_align_ranks() -> None:
+    # rank 1's clock runs 5 s ahead of the notebook's: unaligned, it would look late
+    skewed = unbalanced_cell(clock1=5.0)
+    tl = build([skewed], offsets={1: ClockOffset(5.0, 1e-5)}, backend="ring")
+    assert tl.waited_for == 1 and tl.wait[0] == pytest.approx(0.3, abs=1e-6)
+    assert tl.spans[1][0][1] == pytest.approx(0.0, abs=1e-6)
+    wrong = build([skewed], backend="ring")  # why offsets matter: rank 1 starts 5 s late
+    assert wrong.spans[1][0][1] == pytest.approx(5.0, abs=1e-6)
+    assert wrong.stats.of("all_sum", 0).gbps is None  # the data seems to move before it may
+
+
+def test_waits_within_the_clock_uncertainty_are_nobodys() -> None:
+    cell = {
+        0: record(0, 1, 0, 0.1, [event("all_sum", 0.05, 0.06, index=1)]),
+        1: record(1, 1, 0, 0.1, [event("all_sum", 0.052, 0.06, index=1)]),
+    }
+    assert build([cell]).waited_for == 1  # 2 ms on one machine's clock is real
+    unsure = build([cell], offsets={1: ClockOffset(0.0, 0.005)})
+    assert unsure.waited_for is None and "clocks aligned to ±5 ms" in unsure.summary()
+
+
+def test_estimate_offset_uses_the_shortest_round_trip() -> None:
+    samples = [(0, 5_000_000_000 + 9_000_000, 20_000_000),  # 20 ms round trip
+               (100_000_000, 5_100_000_000 + 1_000_000, 102_000_000)]  # 2 ms
+    off = estimate_offset(samples)
+    assert off.offset == pytest.approx(5.0, abs=1e-9) and off.uncertainty == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="at least one"):
+        estimate_offset([])
+    with pytest.raises(ValueError, match="replied before it was sent"):
+        estimate_offset([(10, 5, 9)])
+
+
+def test_send_and_recv_pair_up() -> None:
+    cell = {
+        0: record(0, 1, 0, 0.5, [event("send", 0.4, 0.41, index=1, peer=1)]),
+        1: record(1, 1, 0, 0.5, [event("recv", 0.1, 0.41, index=1, peer=0)]),
+    }
+    tl = build([cell])
+    assert tl.waited_for == 0 and tl.wait[1] == pytest.approx(0.3, abs=1e-6)
+    assert [s.kind for s in tl.lanes[1]][:3] == [SegmentKind.COMPUTE, SegmentKind.WAIT,
+                                                 SegmentKind.RECV]
+    assert tl.stats.of("send", 0).count == 1 and tl.stats.of("recv", 1).count == 1
+
+
+def test_untimed_collectives_are_instants_not_durations() -> None:
+    ev = event("all_sum", 0.1, 0.1, index=1, timed=False)
+    cell = {0: record(0, 1, 0, 0.2, [ev]), 1: record(1, 1, 0, 0.2, [dict(ev)])}
+    tl = build([cell])
+    marks = [s for s in tl.lanes[0] if s.kind == SegmentKind.UNTIMED]
+    assert len(marks) == 1 and marks[0].duration == 0
+    assert tl.collectives == [] and tl.stats.rows == [] and tl.untimed == 2
+    assert "not timed" in tl.summary()
+    doc = to_chrome_trace(tl)
+    instants = [e for e in doc["traceEvents"] if e["ph"] == "i"]
+    assert len(instants) == 2 and trace_problems(doc) == []
+
+
+def test_mismatched_collectives_are_not_paired() -> None:
+    cell = {
+        0: record(0, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1),
+                               event("all_gather", 0.3, 0.4, index=2)]),
+        1: record(1, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1),
+                               event("all_max", 0.6, 0.7, index=2)]),
+    }
+    assert len(build([cell]).collectives) == 1
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(NoProfileError, match="--profile"):
+        build([])
+    corrupt = unbalanced_cell()
+    corrupt[0]["events"][0]["t_done"] = corrupt[0]["events"][0]["t_ready"] - 1
+    with pytest.raises(ValueError, match="rank 0: collective #1 .*t_done < t_ready"):
+        build([corrupt])
+    with pytest.raises(NoProfileError):
+        to_chrome_trace([])
+
+
+def test_chrome_trace_is_valid_and_aligned(tmp_path: Path) -> None:
+    tls = [build([unbalanced_cell(1, 0.0), unbalanced_cell(2, 1.0)], probe_gbps=0.2,
+                 backend="ring"),
+           build([unbalanced_cell(5, 3.0)], backend="ring")]
+    doc = to_chrome_trace(tls)
+    assert trace_problems(doc) == []
+    names = {(e["pid"], e["args"]["name"]) for e in doc["traceEvents"]
+             if e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
+    waits = [e for e in doc["traceEvents"] if e.get("cat") == "wait"]
+    assert len(waits) == 3 and all(e["pid"] == 0 and e["args"]["waited_for"] == 1
+                                   for e in waits)
+    assert waits[0]["dur"] == pytest.approx(0.3e6, abs=1)
+    assert waits[0]["args"]["op"] == "all_sum" and waits[0]["args"]["bytes"] == 1 << 20
+    cell5 = [e for e in doc["traceEvents"] if e["name"] == "cell 5"]
+    assert [e["ts"] for e in cell5] == [pytest.approx(3e6)] * 2  # second timeline, one clock
+    path = write_trace(tls, tmp_path / "run.json")
+    assert trace_problems(json.loads(path.read_text())) == []
+    with pytest.raises(IsADirectoryError, match="give a file name"):
+        write_trace(tls, tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_trace(tls, tmp_path / "nowhere" / "run.json")
+
+
+def test_the_figure_marks_the_waited_for_and_slowest_rank(tmp_path: Path) -> None:
+    from mlx_nbdist.viz import format_timeline, timeline_figure
+
+    tl = build([unbalanced_cell(1, 0.0), unbalanced_cell(2, 0.6)], probe_gbps=0.2,
+               backend="ring")
+    fig = timeline_figure(tl)
+    gids = {a.get_gid() for ax in fig.axes for a in [*ax.collections, *ax.lines]}
+    assert {"compute:r0", "wait:r0", "collective:r1", "idle:r1", "waited-for:r1",
+            "slowest:r1"} <= gids
+    out = tmp_path / "timeline.png"
+    fig.savefig(out, dpi=60)
+    assert out.stat().st_size > 5000
+    text = format_timeline(tl)
+    assert "rank 0:" in text and "waiting 600 ms" in text and "all_sum" in text
+
+
+def test_profiles_say_what_to_do_on_bad_input() -> None:
+    fake = SimpleNamespace(state="ready", session_id="s1", backend="ring", places={})
+    p = Profiles(fake)  # type: ignore[arg-type]
+    with pytest.raises(NoProfileError, match=r"%%mlxdist --profile.*recorder is off"):
+        p.timeline()
+    p.cells.append(unbalanced_cell())
+    assert p.timeline().waited_for == 1
+    for k in (0, 2, "1", True):
+        with pytest.raises(ValueError, match="k must be a whole number from 1 to 1"):
+            p.timeline(k)
+    fake.session_id = "s2"  # restarted: new engines, the old records are gone
+    with pytest.raises(NoProfileError):
+        p.stats()
+    fake.state = "stopped"
+    with pytest.raises(NotStartedError, match="start one"):
+        p.timeline()
+
+
+# ------------------------------------------------ the recorder on a group of one
+
+
+@pytest.fixture
+def tracked() -> Iterator[Any]:
+    """A tracker installed over ``mx.distributed`` in this process (a group of one),
+    removed afterwards."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_nbdist.engine.tracker import OPS, Tracker
+
+    saved = {op: getattr(mx.distributed, op) for op in OPS if hasattr(mx.distributed, op)}
+    world = mx.distributed.init()
+    tracker = Tracker(world, world.rank(), world.size())
+    tracker.install()
+    try:
+        yield SimpleNamespace(mx=mx, tracker=tracker, world=world)
+    finally:
+        for op, fn in saved.items():
+            setattr(mx.distributed, op, fn)
+
+
+def _heavy(mx: Any) -> Any:
+    a = mx.random.normal((384, 384), key=mx.random.key(0))
+    for _ in range(12):
+        a = (a @ a) / 384
+    return a
+
+
+def test_recorder_times_the_compute_before_a_collective(tracked: Any) -> None:
+    from mlx_nbdist.engine.profile import Recorder
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    t0 = time.perf_counter()
+    mx.eval(_heavy(mx))
+    alone = time.perf_counter() - t0
+    rec = Recorder(world.rank(), world.size(), "ring")
+    rec.begin(3)
+    tracker.recorder = rec
+    try:
+        y = mx.distributed.all_sum(_heavy(mx), group=world)
+        z = mx.distributed.all_gather(y[:4], group=world)
+    finally:
+        tracker.recorder = None
+    data = rec.finish("ok")
+    assert data["cell"] == 3 and data["start_ns"] <= data["end_ns"]
+    evs = data["events"]
+    assert [e["op"] for e in evs] == ["all_sum", "all_gather"]
+    assert all(e["timed"] and e["t_issue"] <= e["t_ready"] <= e["t_done"] for e in evs)
+    assert evs[0]["t_done"] <= evs[1]["t_issue"]
+    assert all(data["start_ns"] <= e["t_issue"] and e["t_done"] <= data["end_ns"] for e in evs)
+    # the matmuls ran between issue and ready: the compute before the collective
+    assert (evs[0]["t_ready"] - evs[0]["t_issue"]) / 1e9 > 0.5 * alone
+    assert evs[0]["nbytes"] == 384 * 384 * 4 and evs[1]["shape"] == [4, 384]
+    assert z.shape == (4, 384)
+    json.dumps(data)  # plain data: it travels as published data
+
+
+def test_recorder_off_adds_nothing_and_keeps_mlx_lazy(tracked: Any) -> None:
+    from mlx_nbdist.engine.profile import Recorder
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    rec = Recorder(0, 1)
+    rec.begin(1)
+    assert tracker.recorder is None
+    x = _heavy(mx)
+    t0 = time.perf_counter()
+    y = mx.distributed.all_sum(x, group=world)
+    issued = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mx.eval(y)
+    ran = time.perf_counter() - t0
+    assert rec.events == [] and issued < 0.2 * ran  # issued, not run, by the call
+    assert tracker.cell_count == 1  # still recorded by the tracker
+
+
+def test_collectives_inside_compile_are_untimed(tracked: Any) -> None:
+    from mlx_nbdist.engine.profile import Recorder
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    f = mx.compile(lambda x: mx.distributed.all_sum(x * 2, group=world))
+    rec = Recorder(0, 1)
+    rec.begin(1)
+    tracker.recorder = rec
+    try:
+        out = f(mx.ones(4))
+        mx.eval(out)
+    finally:
+        tracker.recorder = None
+    assert out.tolist() == [2.0] * 4
+    (ev,) = rec.events
+    assert not ev["timed"] and ev["t_ready"] == ev["t_done"] == ev["t_issue"]
+
+
+# ------------------------------------------------------- real engines (needs wiring)
+
+needs_wiring = pytest.mark.skipif(
+    not hasattr(Session, "timeline"),
+    reason="Session.run(profile=True) / Session.timeline / trace are not wired into "
+    "session/core.py yet (see the wiring notes of issue 17)",
+)
+
+UNBALANCED = """
+import time
+x = mx.ones((65536,))
+if rank == 1:
+    time.sleep(0.3)
+y = mx.distributed.all_sum(x, group=world)
+mx.eval(y)
+"""
+
+
+@needs_wiring
+def test_timeline_before_any_profiled_cell_says_what_to_do(session2: Session) -> None:
+    session2.run("x = 1")
+    with pytest.raises(NoProfileError, match="--profile"):
+        session2.timeline()
+
+
+@needs_wiring
+def test_a_rank_that_sleeps_is_waited_for(session2: Session, tmp_path: Path) -> None:
+    r = session2.run(UNBALANCED, profile=True)
+    assert r.ok
+    tl = session2.timeline()
+    assert tl.cells == [r.cell] and tl.waited_for == 1
+    assert 0.25 < tl.wait[0] < 0.6 and tl.wait[1] < 0.05
+    st = session2.comm_stats()
+    assert st.of("all_sum", 0).count == 1 and st.probe_gbps and st.probe_gbps > 0
+    path = session2.trace(tmp_path / "run.json")
+    doc = json.loads(path.read_text())
+    assert trace_problems(doc) == []
+    assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {
+        "rank 0", "rank 1"}
+    session2.run("y = mx.distributed.all_sum(mx.ones(4), group=world); mx.eval(y)")
+    assert session2.timeline().cells == [r.cell]  # unprofiled cells add nothing
+    session2.run(UNBALANCED, profile=True)
+    assert session2.timeline(2).cells[0] == r.cell
+    with pytest.raises(ValueError, match="k must be a whole number from 1 to 2"):
+        session2.timeline(3)
+
+
+def test_timeline_of_a_stopped_session_says_what_to_do() -> None:
+    s = Session(2)
+    if not hasattr(s, "timeline"):
+        pytest.skip("Session.timeline is not wired into session/core.py yet")
+    with pytest.raises(NotStartedError, match="start one"):
+        s.timeline()
