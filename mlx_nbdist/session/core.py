@@ -723,11 +723,11 @@ class Session:
             except CellError as e:
                 _attach_items(e.result, streams)
                 why = "; ".join(g.headline() for g in e.groups)
-                self.history.append(cell_entry(code, name or f"cell #{self._cell}", targets,
+                self.history.append(cell_entry(code, group.sources[self._cell][0], targets,
                                                self.n, failed=why[:300] or "failed"))
                 raise
             _attach_items(result, streams)
-            self.history.append(cell_entry(code, name or f"cell #{self._cell}", targets, self.n))
+            self.history.append(cell_entry(code, group.sources[self._cell][0], targets, self.n))
             for out in result.ranks.values():
                 for text in out.warnings:
                     warnings.warn(text, DisplayWarning, stacklevel=2)
