@@ -58,10 +58,15 @@ def busy_now(dash: Dashboard, session: Session) -> bool:
 # --------------------------------------------------------------------------- no session
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_text_bar_outside_a_rank() -> None:
     import mlx.core as mx
 
-    buf = io.StringIO()
+    buf = _Terminal()
     seen = []
     for i in progress(range(7), desc="train", file=buf):
         seen.append(i)
@@ -71,7 +76,7 @@ def test_text_bar_outside_a_rank() -> None:
     assert last.startswith("train: 100%|") and "| 7/7 [" in last
     assert "loss=6.5" in last and last.endswith("\n")
 
-    buf = io.StringIO()
+    buf = _Terminal()
     with progress(total=3, desc="manual", file=buf) as bar:
         for _ in range(3):
             bar.update()
@@ -80,6 +85,26 @@ def test_text_bar_outside_a_rank() -> None:
     assert format_bar({"n": 4, "total": None, "unit": "batch", "elapsed": 2.0, "rate": 2.0}) == (
         "4 batch [2.0s, 2 batch/s]"
     )
+
+
+def test_text_bar_to_a_pipe_writes_whole_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No terminal (a pipe, a log, a script under mlx.launch): the first and the last
+    state as lines, no carriage returns (here all within one LINE_INTERVAL)."""
+    import mlx.core as mx
+
+    from mlx_nbdist.engine import progress as progress_mod
+
+    monkeypatch.setattr(progress_mod, "LINE_INTERVAL", 3600.0)
+    buf = io.StringIO()
+    for i in progress(range(7), desc="train", file=buf):
+        log_scalars(loss=mx.array(0.5) + i)
+    text = buf.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("train:   0%|") and "| 0/7 [" in lines[0]
+    assert lines[1].startswith("train: 100%|") and "| 7/7 [" in lines[1]
+    assert "loss=6.5" in lines[1]
 
 
 def test_rank_values_states() -> None:

@@ -222,6 +222,17 @@ def test_fd_output_comes_before_the_cells_result(ranks2: Session) -> None:
         assert got == [(Kind.STDOUT, "before\n"), (Kind.RESULT, "42")], got
 
 
+def test_a_subprocess_line_comes_before_the_next_print(ranks2: Session) -> None:
+    """The subprocess finished before ``print``: its line is first, every time."""
+    code = "import subprocess\nsubprocess.run(['echo', 'sub {i}'])\nprint('after {i}')\n"
+    wrong = []
+    for i in range(10):
+        r = ranks2.run(code.format(i=i))
+        wrong += [(i, k, r.ranks[k].stdout) for k in (0, 1)
+                  if r.ranks[k].stdout != f"sub {i}\nafter {i}\n"]  # fmt: skip
+    assert not wrong, wrong
+
+
 def test_a_forked_childs_output_reaches_the_notebook(session2: Session) -> None:
     code = (
         "import os, sys\n"

@@ -15,7 +15,9 @@ keeps their batching (one iopub ``stream`` message per ~0.2 s per stream), addin
   does. :func:`end_cell` reads what is still in the pipes before it returns, so
   nothing written before the cell ended is lost, and a flush of ``sys.stdout`` /
   ``sys.stderr`` (the kernel flushes before a display or the cell's result) forwards
-  what the pipes hold first. When ipykernel already watches the fds (it does,
+  what the pipes hold first. So does a write from Python when a pipe holds bytes
+  (one ``poll`` with no wait per write): what a subprocess or a forked child wrote
+  before the cell's next ``print`` comes first. When ipykernel already watches the fds (it does,
   unless the engine's environment says it runs under pytest), its pipes are taken
   over: it stops forwarding, and :func:`uninstall` gives them back. Otherwise the
   logging handlers that wrote to fd 1/2 (the engine's own log) are moved to the
@@ -50,6 +52,7 @@ import contextlib
 import io
 import os
 import re
+import select
 import selectors
 import sys
 import threading
@@ -129,6 +132,10 @@ class _Hub:
         self.in_child = False
         self.fallback_fd: int | None = None  # the engine's log, for text that cannot go out
         self.reader: _Reader | None = None  # the fd pipes' reader, when fds are captured
+        #: ``poll(0)`` on the fd pipes (non-empty: bytes wait), while they are captured
+        self.pipes_ready: Any = None
+        #: whether the reader holds bytes it has read and not yet forwarded
+        self.pipes_busy: Any = None
         self.cell = 0
         self.limit = self.default_limit
         self.used = 0
@@ -151,6 +158,19 @@ class _Hub:
             self._close_file()
 
     # -- writing -------------------------------------------------------------------
+    def attach(self, reader: _Reader | None) -> None:
+        """Forward through ``reader`` (``None``: the fds are no longer captured)."""
+        self.reader = reader
+        self.pipes_ready = reader.pending if reader is not None else None
+        self.pipes_busy = reader.lock.locked if reader is not None else None
+
+    def forward_pipes(self) -> None:
+        """Before a write from Python: forward what the pipes hold, so text that a
+        subprocess or a forked child wrote before comes first (not on the reader)."""
+        reader = self.reader
+        if reader is not None and reader.ident != threading.get_ident():
+            reader.drain(timeout=1.0, final=False)
+
     def write(self, stream: OrderedStream, text: str) -> None:
         if self.in_child:
             stream._child_write(text)
@@ -264,6 +284,14 @@ class OrderedStream(io.TextIOBase):
             if hub.in_child or self._io_ident == threading.get_ident():
                 hub.write(self, text)
             else:
+                ready = hub.pipes_ready  # not for print's own "\n": nothing can come between
+                if ready is not None and text != "\n":
+                    try:
+                        waiting = ready(0) or hub.pipes_busy()
+                    except RuntimeError:  # another thread polls now: forward to be sure
+                        waiting = True
+                    if waiting:
+                        hub.forward_pipes()
                 with hub.lock:
                     used = hub.used + len(text)
                     if (
@@ -490,6 +518,16 @@ class _FdCapture:
                 os.close(fd)
 
 
+def _poller(fds: list[int]) -> Any:
+    """``f(0)`` -> the fds that can be read now: ``select.poll`` where there is one."""
+    if hasattr(select, "poll"):
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        return p.poll
+    return lambda timeout: select.select(fds, [], [], timeout)[0]
+
+
 class _Reader(threading.Thread):
     """Forwards the fd pipes as they fill. ``lock`` is held while a chunk is read and
     forwarded, so :meth:`drain` knows nothing is half-way when it reads the rest."""
@@ -502,6 +540,8 @@ class _Reader(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        #: ``pending(0)``: the pipes that hold bytes not yet forwarded (no wait)
+        self.pending = _poller([c.r for c in captures])
 
     def run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -602,7 +642,7 @@ class Output:
         self._rerouted = _reroute_log_handlers({c.fd: c.echo for c in self.captures})
         self.reader = _Reader(self.captures)
         self.reader.start()
-        self.hub.reader = self.reader
+        self.hub.attach(self.reader)
 
     def begin_cell(self, cell: int, limit: int | None = None) -> None:
         self.hub.begin_cell(cell, limit)
@@ -621,7 +661,7 @@ class Output:
         """Forward what is pending and give the fds back; the streams stay usable."""
         if self.reader is not None:
             self.reader.drain(timeout=1.0)
-            self.hub.reader = None
+            self.hub.attach(None)
             self.reader.stop()
             self.reader = None
         for handler, stream in self._rerouted:
@@ -715,7 +755,7 @@ def _at_exit() -> None:
     with contextlib.suppress(Exception):
         out.end_cell()
     if out.reader is not None:
-        out.hub.reader = None
+        out.hub.attach(None)
         with contextlib.suppress(Exception):
             out.reader.stop()
         out.reader = None
