@@ -14,14 +14,26 @@ which saved file lands where in that rank's local tensor. Every layout is a list
 axis splits, fused segments (qkv), FSDP's axis-0 split, replicated tensors and
 pipeline stages (a tensor held whole by one rank) are the same computation.
 
+The checks and plans both drivers of a save or load share (the notebook's
+:mod:`mlx_nbdist.client.checkpoint` and a script's :mod:`mlx_nbdist.script`) live
+here too, on plain data: every rank's layout as
+:func:`mlx_nbdist.engine.checkpoint.layout` describes it. :func:`check_target`
+refuses a folder a save must not write into, :func:`plan_writes` decides who writes
+what, :func:`new_index` makes the index of the files written, and
+:func:`check_compatible` refuses a model that is not the one saved.
+
 No MLX is imported: the notebook reads and validates indexes without it.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
@@ -41,8 +53,14 @@ __all__ = [
     "Shard",
     "TensorEntry",
     "SafetensorsFile",
+    "check_compatible",
+    "check_target",
     "covering_runs",
+    "file_problems",
+    "new_index",
     "pieces",
+    "plan_writes",
+    "sha256",
 ]
 
 #: what ``index.json`` says it is
@@ -305,6 +323,219 @@ class Index:
         return sorted(self.files.values(), key=lambda f: f.name)
 
 
+# ------------------------------------------------ checks and plans of a save or load
+
+#: every rank's layout of the model (and optimizer), as ``layout`` describes it
+Layouts = dict[int, dict[str, Any]]
+
+
+def check_target(directory: str, there: dict[str, Any], model: str, layouts: Layouts,
+                 overwrite: bool) -> Index | None:
+    """The checkpoint a save into ``directory`` replaces (``None``: none), or a refusal.
+
+    Args:
+        there: what ``directory`` holds (``engine.checkpoint.inspect``).
+        model: the model's name; ``layouts``: every rank's layout of it.
+        overwrite: replace another model's checkpoint, or write beside other files.
+    """
+    if there.get("not_dir"):
+        raise CheckpointError(f"save: {directory} exists and is not a folder")
+    previous = None
+    if there["index"] is not None:
+        previous = Index.from_json(there["index"], str(Path(directory) / INDEX_NAME))
+        shapes = {p: tuple(d["shape"]) for d in layouts.values() for p, d in d["params"].items()}
+        if (previous.model != model or previous.signature() != shapes) and not overwrite:
+            raise CheckpointError(
+                f"save: {directory} holds a checkpoint of another model: "
+                f"{previous.describe()}; pass overwrite=True (--overwrite) to replace it, or "
+                "choose another folder; nothing was written")
+    elif there["others"] and not overwrite:
+        shown = ", ".join(there["others"][:5]) + (" ..." if len(there["others"]) > 5 else "")
+        raise CheckpointError(
+            f"save: {directory} is not empty and holds no checkpoint ({shown}); pass "
+            "overwrite=True (--overwrite) to write the checkpoint beside those files, or "
+            "choose another folder; nothing was written")
+    return previous
+
+
+def plan_writes(layouts: Layouts) -> tuple[dict[int, dict[str, list[str]]],
+                                           dict[str, TensorEntry], dict[str, TensorEntry]]:
+    """Who writes what: each slice of a split tensor by its rank, a whole tensor once
+    (by the lowest rank that holds it).
+
+    Returns:
+        ``(writes, params, optimizer)``: per rank ``{"params": [...], "optimizer":
+        [...]}`` (canonical paths), and the index entries, their shards' files not yet
+        known (:func:`new_index` fills them in).
+    """
+    writes: dict[int, dict[str, list[str]]] = {r: {"params": [], "optimizer": []}
+                                               for r in layouts}
+    out = []
+    for kind in ("params", "optimizer"):
+        entries: dict[str, TensorEntry] = {}
+        holders: dict[str, list[int]] = {}
+        for rank in sorted(layouts):
+            for path, spec in layouts[rank][kind].items():
+                holders.setdefault(path, []).append(rank)
+                if path not in entries:
+                    entries[path] = TensorEntry(
+                        shape=tuple(spec["shape"]), dtype=spec["dtype"],
+                        mode=ShardMode(spec["mode"]), axis=spec["axis"],
+                        segments=spec["segments"], group_size=spec["group_size"],
+                        kind=spec["kind"], layer=spec["layer"], of=spec.get("of", ""))
+                _same_layout(path, entries[path], spec, rank)
+        for path, entry in entries.items():
+            ranks = holders[path]
+            entry.holders = ranks
+            writers = ranks if entry.axis is not None else ranks[:1]
+            for rank in writers:
+                spec = layouts[rank][kind][path]
+                key = path if kind == "params" else OPTIMIZER_PREFIX + path
+                entry.shards.append(Shard(rank, spec["index"], "", key,
+                                          tuple(spec["local_shape"])))
+                writes[rank][kind].append(path)
+        out.append(entries)
+    return writes, out[0], out[1]
+
+
+def _same_layout(path: str, entry: TensorEntry, spec: dict[str, Any], rank: int) -> None:
+    if (tuple(spec["shape"]) != tuple(entry.shape) or spec["dtype"] != entry.dtype
+            or spec["axis"] != entry.axis or spec["segments"] != entry.segments):
+        raise CheckpointError(
+            f"save: {path} is laid out differently on rank {rank} (shape "
+            f"{tuple(spec['shape'])}, {spec['dtype']}, axis {spec['axis']}) than on the "
+            f"first rank that holds it (shape {tuple(entry.shape)}, {entry.dtype}, axis "
+            f"{entry.axis}): every rank must build and shard the model the same way")
+
+
+def new_index(model: str, layouts: Layouts, written: dict[int, dict[str, Any]],
+              params: dict[str, TensorEntry], optimizer: dict[str, TensorEntry], *,
+              n_ranks: int, backend: str, shards_dir: str) -> Index:
+    """The index of a save: the entries of :func:`plan_writes` with the files each rank
+    wrote (``written``: per rank, what ``engine.checkpoint.write_shard`` returned)."""
+    files: dict[str, FileEntry] = {}
+    for rank, g in sorted(written.items()):
+        if g["file"] is None:
+            continue
+        files[g["file"]] = FileEntry(g["file"], rank, g["sha256"], int(g["bytes"]))
+        for entry in (*params.values(), *optimizer.values()):
+            for i, sh in enumerate(entry.shards):
+                if sh.rank == rank:
+                    entry.shards[i] = Shard(sh.rank, sh.index, g["file"], sh.key, sh.shape)
+    first = layouts[min(layouts)]
+    lm = first.get("lm")
+    if lm is not None:
+        lm = {"config": lm["config"],
+              "tokenizer_files": written.get(min(written), {}).get("tokenizer_files", [])}
+    return Index(
+        model=model, model_class=first["model_class"], n_ranks=n_ranks, backend=backend,
+        shards_dir=shards_dir, params=params, files=files, optimizer=optimizer,
+        optimizer_class=first.get("optimizer_class", ""),
+        quantization=first.get("quantization", {}), lm=lm, mlx_version=_mlx_version(),
+        nbdist_version=_nbdist_version(),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+
+
+def _mlx_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlx")
+    except PackageNotFoundError:
+        return ""
+
+
+def _nbdist_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def check_compatible(index: Index, layouts: Layouts, optimizer: str | None) -> None:
+    """Refuse, naming every problem, a model that is not the one saved.
+
+    Args:
+        layouts: every rank's layout of the model being loaded (with its optimizer's).
+        optimizer: the optimizer's name, for messages (``None``: none is loaded).
+    """
+    problems: list[str] = []
+    for kind, saved, what in (("params", index.params, "parameter"),
+                              ("optimizer", index.optimizer, "optimizer entry")):
+        if kind == "optimizer" and optimizer is None:
+            continue
+        if kind == "optimizer" and not index.optimizer_class:
+            problems.append(f"the checkpoint has no optimizer state (saved without "
+                            f"optimizer=); load without optimizer={optimizer!r}")
+            continue
+        if kind == "optimizer":
+            cls = layouts[min(layouts)]["optimizer_class"]
+            if cls != index.optimizer_class:
+                problems.append(f"the checkpoint holds {index.optimizer_class} state, "
+                                f"{optimizer!r} is a {cls}")
+                continue
+        held: dict[str, list[int]] = {}
+        for rank, d in sorted(layouts.items()):
+            for path, spec in d[kind].items():
+                held.setdefault(path, []).append(rank)
+                entry = saved.get(path)
+                if entry is None:
+                    continue
+                if tuple(spec["shape"]) != tuple(entry.shape):
+                    problems.append(f"{what} {path}: the checkpoint holds shape "
+                                    f"{tuple(entry.shape)}, the model has "
+                                    f"{tuple(spec['shape'])} (rank {rank})")
+                elif spec["dtype"] != entry.dtype:
+                    problems.append(f"{what} {path}: the checkpoint holds {entry.dtype}, the "
+                                    f"model has {spec['dtype']} (rank {rank})")
+                else:
+                    problem = Layout(tuple(spec["shape"]), spec["axis"], spec["segments"],
+                                     spec["group_size"]).problem(path)
+                    if problem:
+                        problems.append(f"{what} {problem}")
+        missing = sorted(set(saved) - set(held))
+        extra = sorted(set(held) - set(saved))
+        if missing:
+            problems.append(f"the model has no {what} {', '.join(missing)} that the checkpoint "
+                            "holds")
+        if extra:
+            problems.append(f"the checkpoint has no {what} {', '.join(extra)} of the model")
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise CheckpointError(
+            f"load: the checkpoint ({index.describe()}) does not fit this model; nothing was "
+            "loaded:\n  - " + "\n  - ".join(unique))
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file, as the index records it."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_problems(directory: str | os.PathLike[str], index: Index,
+                  names: list[str] | None = None) -> list[str]:
+    """What is wrong with the files ``names`` (all when ``None``) of the checkpoint in
+    ``directory``: missing, of another size, or another sha256 than the index says;
+    each named with the rank that wrote it."""
+    folder = Path(directory) / index.shards_dir
+    problems = []
+    for n in sorted(index.files) if names is None else names:
+        entry = index.files[n]
+        path = folder / n
+        who = f"{n} (written by rank {entry.rank})"
+        if not path.is_file():
+            problems.append(f"{who} is missing from {folder}")
+        elif path.stat().st_size != entry.bytes:
+            problems.append(f"{who} has {path.stat().st_size} bytes, the index says "
+                            f"{entry.bytes}: the file is truncated or was changed")
+        elif sha256(path) != entry.sha256:
+            problems.append(f"{who} is corrupt: its sha256 differs from the index's")
+    return problems
+
+
 def pieces(path: str, entry: TensorEntry, target: Layout, index: int) -> list[Piece]:
     """Which boxes of which saved files make rank ``index``'s slice under ``target``.
 
@@ -401,7 +632,6 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str, label: str = "") -> None:
-        import os
         import struct
 
         self.path = path
@@ -427,8 +657,6 @@ class SafetensorsFile:
             raise
 
     def close(self) -> None:
-        import os
-
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -455,8 +683,6 @@ class SafetensorsFile:
     def read(self, key: str, box: Box | None = None) -> Any:
         """The values of ``key`` in ``box`` (all of it when ``None``), as numpy (bfloat16
         as uint16)."""
-        import os
-
         import numpy as np
 
         entry = self._entry(key)

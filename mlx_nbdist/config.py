@@ -64,6 +64,13 @@ OUTPUT_LIMIT = 1 << 20
 #: most ranks one session may ask for
 MAX_RANKS = 64
 
+#: the controller's heartbeat period, ms: a new engine counts as registered at the
+#: second beat after it registered, so this is most of a start's wait
+HEARTBEAT_MS = 100
+#: beats an engine may miss before the controller drops it (HEARTBEAT_MS x this:
+#: 11 s, as ipyparallel's 1 s default period with its 10 misses gave)
+HEARTBEAT_MISSES = 110
+
 #: how often each rank publishes its state (its status file) while it runs, seconds
 PUBLISH_INTERVAL = 0.25
 #: a rank whose published state is older than this many intervals shows as hung

@@ -9,9 +9,12 @@ cell it ran, and every notebook command that ran on the ranks, as
 * a :attr:`EntryKind.COMMAND`: a command that changed the ranks' state, as the
   in-cell Python that does the same (``%mlxdist shard model --sharding megatron``
   is ``model = mlx_nbdist.shard(model, "megatron", segments=1)``);
+  ``%mlxdist load model DIR`` (or ``mlx_nbdist.load_checkpoint("model", DIR)``) is
+  ``mlx_nbdist.script.load_checkpoint(model, DIR)``, and a save is
+  ``mlx_nbdist.script.save_checkpoint(...)``: every rank of the script loads or
+  saves its own slices, by the same code the notebook drives;
 * a :attr:`EntryKind.NOTE`: a command that only looked (``show``, ``plan``,
-  ``check``...), a ``%%local`` cell, or a command with no rank-side equivalent
-  (``load``, ``save``): a comment in the script, saying what to do where needed.
+  ``check``...) or a ``%%local`` cell: a comment in the script.
 
 :func:`render` turns that list into the script. Inside a cell, IPython-only syntax
 becomes plain Python (:func:`plain_python`):
@@ -114,24 +117,33 @@ def shard_entry(model: str, sharding: str | dict[str, str | None], segments: int
 
 
 def load_entry(model: str, directory: str, optimizer: str | None = None) -> Entry:
-    """``%mlxdist load MODEL DIR``: loading is driven from the notebook (it verifies the
-    files and spreads the reads over the ranks); a plain script has no loader of its
-    own, so the script says how to get the weights instead."""
+    """``%mlxdist load MODEL DIR`` (or ``mlx_nbdist.load_checkpoint``): in the script,
+    every rank loads its slices with :func:`mlx_nbdist.script.load_checkpoint`."""
     opt = f" --optimizer {optimizer}" if optimizer else ""
-    advice = ("not replayed: a plain script cannot load a sharded checkpoint; consolidate "
-              f"it (mlx_nbdist.consolidate({directory!r}, OUT)) and call "
-              f"{model}.load_weights(OUT + '/model.safetensors') where {model} is built, "
-              "before it is sharded")
-    return Entry(EntryKind.NOTE, "", f"%mlxdist load {model} {_quote(directory)}{opt}",
-                 comment=advice)
+    code = (f"mlx_nbdist.script.load_checkpoint({model}, {directory!r}"
+            + (f", optimizer={optimizer})" if optimizer else ")"))
+    return Entry(EntryKind.COMMAND, code, f"%mlxdist load {model} {_quote(directory)}{opt}")
 
 
-def save_entry(model: str, directory: str, optimizer: str | None = None) -> Entry:
-    """``%mlxdist save MODEL DIR``: a note (saving is driven from the notebook)."""
-    opt = f" --optimizer {optimizer}" if optimizer else ""
-    return Entry(EntryKind.NOTE, "", f"%mlxdist save {model} {_quote(directory)}{opt}",
-                 comment="saving is driven from a notebook session; here, save with "
-                 "mx.save_safetensors on each rank if you need the weights")
+def save_entry(model: str, directory: str, optimizer: str | None = None, *,
+               overwrite: bool = False, tokenizer_from: str | None = None) -> Entry:
+    """``%mlxdist save MODEL DIR`` (or ``mlx_nbdist.save``): in the script, every rank
+    writes its slices with :func:`mlx_nbdist.script.save_checkpoint` (rank 0 the index),
+    under the notebook's name for the model."""
+    line = f"%mlxdist save {model} {_quote(directory)}"
+    args = [model, repr(directory)]
+    if optimizer:
+        line += f" --optimizer {optimizer}"
+        args.append(f"optimizer={optimizer}")
+    args.append(f"name={model!r}")
+    if overwrite:
+        line += " --overwrite"
+        args.append("overwrite=True")
+    if tokenizer_from:
+        line += f" --tokenizer-from {_quote(tokenizer_from)}"
+        args.append(f"tokenizer_from={tokenizer_from!r}")
+    return Entry(EntryKind.COMMAND, f"mlx_nbdist.script.save_checkpoint({', '.join(args)})",
+                 line)
 
 
 def note_entry(line: str, code: str = "", comment: str = "") -> Entry:

@@ -38,7 +38,7 @@ from .errors import (
     ShardingError,
     StartError,
 )
-from .history import ExportError, load_entry, note_entry, save_entry
+from .history import ExportError, note_entry
 from .session import Session
 from .viz.cells import display_cell
 from .viz.live import LiveOutput
@@ -242,15 +242,11 @@ class MLXDist(Magics):
     @staticmethod
     def _record(args: argparse.Namespace, line: str) -> None:
         """A command that ran on the ranks (or looked at them), in the session's history:
-        a comment in an export (``shard`` records itself, as the line that replays it)."""
-        if args.cmd in _NOTES:
-            entry = note_entry(f"%mlxdist {line.strip()}")
-        elif args.cmd == "save":
-            entry = save_entry(args.model, args.dir, args.optimizer)
-        elif args.cmd == "load":
-            entry = load_entry(args.model, args.dir, args.optimizer)
-        else:
+        a comment in an export (``shard``, ``save`` and ``load`` record themselves, as
+        the lines that replay them)."""
+        if args.cmd not in _NOTES:
             return
+        entry = note_entry(f"%mlxdist {line.strip()}")
         s = api.current_session(required=False)
         if s is not None:
             s.record(entry)
@@ -484,7 +480,7 @@ class MLXDist(Magics):
                     on_tick=live.tick,
                     on_output=view,  # its flush() shows throttled updates on each poll
                     output_limit=self.output_limit,
-                    name=f"In [{self.shell.execution_count}]",
+                    name=f"In [{_cell_number(self.shell)}]",
                     profile=args.profile,
                 )
         except ValueError as e:  # bad --timeout
@@ -589,3 +585,15 @@ class _Progress:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _cell_number(shell: Any) -> int:
+    """The number the front end shows for the running cell (``In [7]``).
+
+    Its input is in the history by now, on every IPython; ``execution_count`` is
+    already the next cell's number there from IPython 9 on (8 counts after the cell).
+    """
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if history:
+        return len(history) - 1
+    return int(getattr(shell, "execution_count", 0) or 0)

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from . import runtime, watchdog
-from .watchdog import same_process
+from .watchdog import same_process, wait_ended
 
 #: stopped sessions' directories kept by :func:`cleanup` (the newest ones) ...
 KEEP_SESSIONS = 20
@@ -150,13 +150,13 @@ def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:
             p.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = wait_ended(procs, timeout=grace)
     for p in alive:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=grace)
+    wait_ended(alive, timeout=grace)
 
 
 def end_recorded(directory: Path | None, grace: float = 3.0) -> list[int]:

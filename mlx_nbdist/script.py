@@ -16,6 +16,11 @@ rank's group is reused.
 :func:`display`, :func:`system` and :func:`getoutput` stand in for IPython's
 ``display``, ``!cmd`` and ``x = !cmd``.
 
+:func:`load_checkpoint` and :func:`save_checkpoint` are a notebook's
+``%mlxdist load`` / ``%mlxdist save`` in a script: called on every rank with the
+model (and optimizer) objects, each rank loads or writes its own slices, by the same
+code and with the same checks (:mod:`mlx_nbdist.engine.checkpoint`).
+
 :func:`run_file` is ``python -m mlx_nbdist run -n N script.py``: a
 :class:`~mlx_nbdist.session.Session` of N ranks runs the file as one cell, each
 rank's output printed as it arrives with ``[rank r]`` in front of every line; it
@@ -35,7 +40,8 @@ from typing import IO, Any
 from .config import Backend
 from .errors import CellError, MLXDistError, SetupError
 
-__all__ = ["display", "getoutput", "init", "run_file", "system"]
+__all__ = ["display", "getoutput", "init", "load_checkpoint", "run_file", "save_checkpoint",
+           "system"]
 
 
 def init(backend: str = "ring", size: int = 1) -> tuple[Any, int, int]:
@@ -91,6 +97,67 @@ def _check_size(got: int, want: int, backend: Backend) -> None:
 def _how(n: int, backend: Backend) -> str:
     return (f"launch it with `mlx.launch -n {n} --backend {backend.value} -- python SCRIPT` "
             f"or `python -m mlx_nbdist run -n {n} --backend {backend.value} SCRIPT`")
+
+
+def load_checkpoint(model: Any, directory: str | os.PathLike[str], optimizer: Any = None
+                    ) -> dict[str, Any]:
+    """Load a checkpoint (``mlx_nbdist.save`` or :func:`save_checkpoint`) into ``model``
+    (and ``optimizer``) on every rank; call it on every rank, after :func:`init`.
+
+    The checks of the notebook's ``load_checkpoint`` (parameters missing or extra,
+    shapes, dtypes, dimensions that do not divide), then each rank verifies the sha256
+    of the files it reads and reads only its slices, resharding when this script runs
+    on another number of ranks or layout than the save.
+
+    Args:
+        model: the model (an ``mlx.nn.Module``) built, and sharded, as in the notebook.
+        directory: the checkpoint folder; ``optimizer``: an ``mlx.optimizers`` optimizer
+            whose state the checkpoint holds.
+
+    Returns:
+        This rank's ``{"bytes_read", "tensors", "files", "index"}``.
+
+    Raises:
+        CheckpointError: on every rank, naming the problem and the rank that found it;
+            nothing is loaded on any rank.
+    """
+    from .engine.checkpoint import load_here
+
+    _require_init("load_checkpoint")
+    return load_here(model, directory, optimizer)
+
+
+def save_checkpoint(model: Any, directory: str | os.PathLike[str], optimizer: Any = None, *,
+                    name: str = "model", overwrite: bool = False,
+                    tokenizer_from: str | os.PathLike[str] | None = None) -> Any:
+    """Save ``model`` (and ``optimizer``'s state) as a sharded checkpoint from every
+    rank; call it on every rank, after :func:`init`. The same checkpoint and the same
+    guarantees as the notebook's ``mlx_nbdist.save``: each rank writes its slices, rank
+    0 swaps the index in once every rank has written, and a failure on any rank leaves
+    the previous checkpoint intact (raised on every rank).
+
+    Args:
+        name: the model's name in the index (an export passes the notebook's name;
+            a save over another name's checkpoint needs ``overwrite``).
+        overwrite, tokenizer_from: as for :func:`mlx_nbdist.save`.
+
+    Returns:
+        The checkpoint's :class:`~mlx_nbdist.checkpoint_index.Index`.
+    """
+    from .engine.checkpoint import save_here
+
+    _require_init("save_checkpoint")
+    return save_here(model, directory, optimizer, name=name, overwrite=overwrite,
+                     tokenizer_from=tokenizer_from)
+
+
+def _require_init(what: str) -> None:
+    from .engine import state
+
+    if not state.started():
+        raise SetupError(f"mlx_nbdist.script.{what} runs on the ranks of a group: call "
+                         "world, rank, size = mlx_nbdist.script.init(backend=..., size=N) "
+                         "first (an exported script does)")
 
 
 def display(*objs: Any) -> None:

@@ -16,6 +16,10 @@ issued inside ``mx.compile`` / ``mx.vmap`` is *untimed*: only its issue is known
 it is never drawn as a duration. Profiling serialises compute and communication, so
 these are the profiled run's times, not those of the same cell unprofiled.
 
+Cells are named as the user sees them: a record's ``name`` (the session puts the
+cell's name there, ``In [7]`` from the magic) labels its lanes, summary, table and
+trace events; without one a cell is ``cell N`` (the session's count of cells).
+
 Clocks: ranks on this machine share its clock (offset 0); for others the notebook
 estimates each rank's offset from clock round trips (:func:`estimate_offset`, the
 sample with the smallest round trip, as NTP does), and waits shorter than that
@@ -162,10 +166,31 @@ class CommStats:
     backend: str
     probe_gbps: float | None
     rows: list[OpStats] = field(default_factory=list)
+    #: each cell's name as the user saw it (``In [7]``), where it has one
+    names: dict[int, str] = field(default_factory=dict)
+    #: collectives issued inside ``mx.compile`` / ``mx.vmap``: counted nowhere else
+    untimed: int = 0
 
     def of(self, op: str, rank: int | None = None) -> OpStats | None:
         """The row of ``op`` on ``rank`` (``None``: over all ranks)."""
         return next((r for r in self.rows if r.op == op and r.rank == rank), None)
+
+    def line(self, rank: int | None = None) -> str:
+        """One line of ``rank``'s collectives (``None``: the all-ranks rows), e.g.
+        ``2 all_sum, 1.0 MiB, 0.4 ms, 2.5 GB/s (0.8x probe)``, ops joined by semicolons."""
+        parts = []
+        for r in self.rows:
+            if r.rank != rank:
+                continue
+            text = f"{r.count} {r.op}, {_bytes(r.nbytes)}, {format_seconds(r.time)}"
+            if r.gbps is not None:
+                text += f", {r.gbps:.3g} GB/s"
+                if r.ratio is not None:
+                    text += f" ({r.ratio:.2g}x probe)"
+            parts.append(text)
+        if self.untimed:
+            parts.append(f"{self.untimed} issued inside mx.compile/vmap (not timed)")
+        return "; ".join(parts) or "no collective"
 
     def table(self) -> str:
         """An aligned text table, the all-ranks row of each op first."""
@@ -189,7 +214,8 @@ class CommStats:
                  for row in [head, *body]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         probe = "no probe" if self.probe_gbps is None else f"probe {self.probe_gbps:.3g} GB/s"
-        return f"collectives of cell(s) {_cells(self.cells)} on {self.backend} ({probe})\n" + (
+        where = cells_label(self.cells, self.names)
+        return f"collectives of {where} on {self.backend} ({probe})\n" + (
             "\n".join(lines) if self.rows else "(no timed collective)"
         )
 
@@ -224,6 +250,12 @@ class CellTimeline:
     clock_uncertainty: float = 0.0
     untimed: int = 0
     dropped: int = 0
+    #: each cell's name as the user saw it (``In [7]``), where it has one
+    names: dict[int, str] = field(default_factory=dict)
+
+    def label(self, cell: int) -> str:
+        """How the user knows ``cell``: its name (``In [7]``), else ``cell N``."""
+        return self.names.get(cell) or f"cell {cell}"
 
     @property
     def duration(self) -> float:
@@ -239,9 +271,9 @@ class CellTimeline:
         return out
 
     def summary(self) -> str:
-        """One line: where the time went (e.g. ``cell 7: 40 % all_sum at 0.6 GB/s on
+        """One line: where the time went (e.g. ``In [7]: 40 % all_sum at 0.6 GB/s on
         ring (probe: 0.8 GB/s), 30 % waiting for rank 1; slowest rank 1 ...``)."""
-        head = f"cell{'s' if len(self.cells) > 1 else ''} {_cells(self.cells)}"
+        head = cells_label(self.cells, self.names)
         ops = [r for r in self.stats.rows if r.rank is None]
         if not ops:
             what = "no timed collective"
@@ -300,7 +332,7 @@ def build(
     Args:
         cells: per cell, each rank's published record (``Recorder.finish``'s data:
             ``cell``, ``start_ns``, ``end_ns``, ``events`` with ``t_ready``/``t_done``
-            in the rank's clock).
+            in the rank's clock; optionally ``name``, the cell's name for people).
         offsets: each rank's clock minus the notebook's (missing: 0, this machine).
         probe_gbps: the backend's probed bandwidth, for the ratio.
         backend: the backend's name, for the summary.
@@ -322,9 +354,13 @@ def build(
     matched: list[Collective] = []
     untimed = dropped = 0
     numbers: list[int] = []
+    names: dict[int, str] = {}
     for cell in cells:
         number = int(next(iter(cell.values())).get("cell", 0))
         numbers.append(number)
+        name = next((str(p["name"]) for p in cell.values() if p.get("name")), "")
+        if name:
+            names[number] = name
         events = {
             int(r): [_event(int(r), e, at) for e in p.get("events", [])] for r, p in cell.items()
         }
@@ -348,6 +384,7 @@ def build(
         r: sum(s.duration for s in lanes[r] if s.kind in _IN_COLLECTIVE) for r in ranks
     }
     stats = _stats(numbers, ranks, lanes, spans, probe_gbps, backend)
+    stats.names, stats.untimed = names, untimed
     tl = CellTimeline(
         cells=numbers,
         ranks=ranks,
@@ -365,6 +402,7 @@ def build(
         clock_uncertainty=max((o.uncertainty for o in offsets.values()), default=0.0),
         untimed=untimed,
         dropped=dropped,
+        names=names,
     )
     caused = tl.caused()
     if caused and max(caused.values()) > noise:
@@ -597,7 +635,7 @@ def to_chrome_trace(timelines: CellTimeline | Sequence[CellTimeline]) -> dict[st
 
         for r in t.ranks:
             for number, start, end in t.spans[r]:
-                events.append({"name": f"cell {number}", "cat": "cell", "ph": "X",
+                events.append({"name": t.label(number), "cat": "cell", "ph": "X",
                                "ts": us(start), "dur": round((end - start) * 1e6, 3),
                                "pid": r, "tid": 0, "args": {"cell": number}})
             for s in t.lanes[r]:
@@ -634,6 +672,7 @@ def to_chrome_trace(timelines: CellTimeline | Sequence[CellTimeline]) -> dict[st
             "tool": "mlx_nbdist",
             "origin_unix_ns": origin,
             "cells": [c for t in tls for c in t.cells],
+            "cell_names": {str(c): t.label(c) for t in tls for c in t.cells},
             "backend": tls[-1].backend,
             "probe_gbps": tls[-1].stats.probe_gbps,
             "clock_uncertainty_us": round(max(t.clock_uncertainty for t in tls) * 1e6, 3),
@@ -678,7 +717,16 @@ def format_seconds(seconds: float) -> str:
     return f"{ms:.0f} ms" if abs(ms) >= 100 else f"{ms:.3g} ms"
 
 
-def _cells(cells: list[int]) -> str:
-    if len(cells) > 2 and cells == list(range(cells[0], cells[-1] + 1)):
-        return f"{cells[0]}-{cells[-1]}"
-    return ", ".join(map(str, cells))
+def cells_label(cells: Sequence[int], names: Mapping[int, str] | None = None) -> str:
+    """Cells as the user knows them: ``In [7]``, ``In [7], In [8]``, ``In [3] ... In [9]
+    (5 cells)``; cells without a name by number (``cell 7``, ``cells 3-9``)."""
+    names = names or {}
+    cells = list(cells)
+    if not any(names.get(c) for c in cells):
+        if len(cells) > 2 and cells == list(range(cells[0], cells[-1] + 1)):
+            return f"cells {cells[0]}-{cells[-1]}"
+        return f"cell{'s' if len(cells) > 1 else ''} {', '.join(map(str, cells))}"
+    labels = [names.get(c) or f"cell {c}" for c in cells]
+    if len(labels) > 3:
+        return f"{labels[0]} ... {labels[-1]} ({len(labels)} cells)"
+    return ", ".join(labels)

@@ -151,12 +151,41 @@ def stop(pid: int, session_dir: str | os.PathLike[str], timeout: float = 2.0) ->
         if _SCRIPT not in cmd or os.path.abspath(session_dir) not in cmd:
             return True
         p.terminate()
-        p.wait(timeout)
-    except psutil.TimeoutExpired:
-        return False
+        return not wait_ended([p], timeout)
     except psutil.Error:
         pass
     return True
+
+
+#: seconds between two looks at processes that were told to end
+_ENDED_POLL = 0.02
+
+
+def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until ``procs`` have ended; the ones still running after ``timeout``.
+
+    A process that has exited counts as ended even before it is reaped: an orphan
+    (a nanny or scheduler whose parent went first) stays a zombie until init reaps
+    it, which some inits do only every second or so (``psutil.wait_procs`` would
+    wait for that). Our own children are reaped here.
+    """
+    alive = list(procs)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(_ENDED_POLL)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        if p.status() != psutil.STATUS_ZOMBIE:
+            return True
+        p.wait(0)  # ours: reap it; another's: returns or raises at once
+    except (psutil.Error, ChildProcessError, OSError):
+        pass
+    return False
 
 
 # ------------------------------------------------------------------------ records

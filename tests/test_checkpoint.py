@@ -511,3 +511,83 @@ def test_fsdp_saved_loads_as_tensor_parallel(s2: Any, tmp_path: Path):
     for rank, got in s2.pull("got").items():
         for path, full in want.items():
             np.testing.assert_array_equal(got[path], local_slice(full, path, rank, 2))
+
+
+QBUILD = """
+def qbuild(seed=0):
+    mx.random.seed(seed)
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    nn.quantize(m, group_size=32, bits=4)
+    mx.eval(m.parameters())
+    return m
+"""
+
+
+def test_a_quantized_model_saved_on_2_loads_on_2_and_on_1(s2: Any, tmp_path: Path):
+    """weight (packed uint32), scales and biases are saved per rank and resharded."""
+    from mlx_nbdist.client.checkpoint import load, read_index, save
+
+    s2.run(QBUILD + 'qm = mlx_nbdist.shard(qbuild(), "megatron")\n'
+           "q_layers = [type(layer).__name__ for layer in qm.layers]")
+    assert s2.pull("q_layers")[0][0] == "QuantizedAllToShardedLinear"
+    save("qm", tmp_path / "q", session=s2)
+    index = read_index(tmp_path / "q")
+    assert {p: e.dtype for p, e in index.params.items() if p.startswith("layers.0.")} == {
+        "layers.0.weight": "uint32", "layers.0.scales": "float32",
+        "layers.0.biases": "float32", "layers.0.bias": "float32"}
+    assert index.quantization["layers.0"] == {"bits": 4, "group_size": 32, "mode": "affine"}
+    assert index.params["layers.2.scales"].axis == 1  # split like the packed weight
+
+    ns: dict[str, Any] = {}
+    exec(COMMON + QBUILD, ns)  # noqa: S102 - our own code, the same the ranks run
+    want = ns["params_np"](ns["qbuild"]())
+    x = ns["mx"].random.normal((4, 64), key=ns["mx"].random.key(1))
+    want_out = np.array(ns["qbuild"]()(x))
+    s2.run('q2 = mlx_nbdist.shard(qbuild(seed=5), "megatron")')
+    load("q2", tmp_path / "q", session=s2)
+    s2.run("q_same = {k: bool(np.array_equal(v, params_np(qm)[k])) "
+           "for k, v in params_np(q2).items()}")
+    for rank, same in s2.pull("q_same").items():
+        assert same and all(same.values()), (rank, same)
+    for s in _session(1):
+        s.run(QBUILD + "q1 = qbuild(seed=5)")
+        assert load("q1", tmp_path / "q", session=s).resharded
+        s.run("q1_params = params_np(q1)")
+        got = s.pull("q1_params")[0]
+        for path, full in want.items():
+            np.testing.assert_array_equal(got[path], full, err_msg=path)
+        s.push({"x_in": np.array(x)})
+        s.run("q1_out = np.array(q1(mx.array(x_in)))")
+        np.testing.assert_allclose(s.pull("q1_out")[0], want_out, rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_and_tensor_parallel_checkpoints_load_into_each_other(
+        s2: Any, lm: dict[str, Any], tmp_path: Path):
+    """A pipeline stage's layers are saved whole by the rank that holds them; a tensor
+    parallel model reads them sliced, and a pipeline reads a megatron save whole."""
+    pytest.importorskip("mlx_lm")
+    from mlx_nbdist.client.checkpoint import load, read_index, save
+
+    from .lm_models import LM_COMMON
+
+    s2.run(LM_COMMON + '\npp = mlx_nbdist.shard(build_lm("qwen2", num_hidden_layers=4), '
+           '"pipeline")\n'
+           'tpm = mlx_nbdist.shard(build_lm("qwen2", num_hidden_layers=4), "megatron")')
+    save("pp", tmp_path / "pp", session=s2)
+    save("tpm", tmp_path / "tpm", session=s2)
+    index = read_index(tmp_path / "pp")
+    q0 = index.params["model.layers.0.self_attn.q_proj.weight"]
+    assert (q0.holders, q0.axis, [s.rank for s in q0.shards]) == ([1], None, [1])
+    assert index.params["model.layers.3.self_attn.q_proj.weight"].holders == [0]
+    want = lm["logits_np"](lm["build_lm"]("qwen2", num_hidden_layers=4), lm["tokens"])
+    s2.run('tp_from_pp = mlx_nbdist.shard(build_lm("qwen2", seed=3, num_hidden_layers=4), '
+           '"megatron")\n'
+           'pp_from_tp = mlx_nbdist.shard(build_lm("qwen2", seed=3, num_hidden_layers=4), '
+           '"pipeline")')
+    load("tp_from_pp", tmp_path / "pp", session=s2)
+    load("pp_from_tp", tmp_path / "tpm", session=s2)
+    s2.run("out_tp = logits_np(tp_from_pp, tokens)\nout_pp = logits_np(pp_from_tp, tokens)")
+    for name in ("out_tp", "out_pp"):
+        for rank, out in s2.pull(name).items():
+            gap = float(np.abs(out - want).max()) / max(1.0, float(np.abs(want).max()))
+            assert gap < 1e-4, (name, rank, gap)

@@ -29,7 +29,9 @@ PAGES = {
     "quickstart.html": ["%mlxdist start -n 2", "Tensor parallelism in four cells"],
     "magics.html": ["--check-collectives", "%mlxdist gradsync", "MLXDist.timeout"],
     "api.html": ["CellResult", "Session(n=2"],
-    "reference.html": ["mlx_nbdist.Session", "CollectiveTimeout", "grad_sync"],
+    "reference.html": ["mlx_nbdist.Session", "CollectiveTimeout", "grad_sync",
+                       "mlx_nbdist.script.load_checkpoint", "mlx_nbdist.script.init"],
+    "checkpoints.html": ["Load, on any number of ranks", "save_checkpoint", "load_checkpoint"],
     "failure-modes.html": ["Drained", "Security", "unauthenticated TCP"],
     "performance.html": ["Performance"],
     "multi-host.html": ["hostfile", "Security"],
@@ -41,6 +43,7 @@ PAGES = {
     "tutorials/05-memory.html": ["fully_shard", "sum_scatter"],
     "tutorials/06-failures.html": ["CollectiveTimeout", "restart"],
     "tutorials/07-transformers.html": ["pipeline", "heads"],
+    "tutorials/08-keep-your-work.html": ["Keep your work", "consolidate"],
 }
 #: Tutorials whose stored figures must appear as images on their page.
 FIGURES = {"02-tensor-parallelism": 5, "03-gradient-sync": 3, "04-training-tp": 1, "05-memory": 3}

@@ -9,6 +9,7 @@ steps), exports them, and both launchers run the script on a real MLX ring group
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from mlx_nbdist.history import (
@@ -26,6 +28,7 @@ from mlx_nbdist.history import (
     note_entry,
     plain_python,
     render,
+    save_entry,
     shard_entry,
     write,
 )
@@ -84,6 +87,7 @@ def test_render_commands_notes_subsets_and_failed_cells():
         shard_entry("model", {"layers.*": "all-to-sharded"}),
         note_entry("%mlxdist show model.layers.0.weight"),
         load_entry("model", "ckpt/", "opt"),
+        save_entry("model", "/c k", "opt", overwrite=True),
         cell_entry("print(rank)", "In [4]", ranks=[0], n=2),
         cell_entry("print(size)", "In [5]", ranks=[0, 1], n=2),
         cell_entry("1 / 0", "In [6]", failed="rank 0: ZeroDivisionError: division by zero"),
@@ -95,8 +99,10 @@ def test_render_commands_notes_subsets_and_failed_cells():
     assert "model = mlx_nbdist.shard(model, 'megatron', segments=2)" in text
     assert "model = mlx_nbdist.shard(model, {'layers.*': 'all-to-sharded'}, segments=1)" in text
     assert "# %mlxdist show model.layers.0.weight  (notebook only: not run here)" in text
-    assert "# %mlxdist load model ckpt/ --optimizer opt  (notebook only" in text
-    assert "mlx_nbdist.consolidate('ckpt/', OUT)" in text
+    assert "# --- %mlxdist load model ckpt/ --optimizer opt ---" in text
+    assert "\nmlx_nbdist.script.load_checkpoint(model, 'ckpt/', optimizer=opt)\n" in text
+    assert ("\nmlx_nbdist.script.save_checkpoint(model, '/c k', optimizer=opt, name='model', "
+            "overwrite=True)\n") in text
     assert "if rank in (0,):\n    print(rank)" in text
     assert "long = '''a\nb'''" in text  # a string's lines are not indented
     assert "# --- In [5] ---" in text and "\nprint(size)\n" in text  # every rank: no if
@@ -221,16 +227,188 @@ def test_the_export_holds_the_cells_the_commands_and_comments(exported, shell):
         shell.run_line_magic("mlxdist", f"export {path}")
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+NET = """
+import mlx.optimizers as optim
+
+def make_net(seed):
+    mx.random.seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+def net_loss(m, x, y):
+    return mx.mean((m(x) - y) ** 2)
+
+def net_steps(m, opt, start, steps, tag):
+    for step in range(start, start + steps):
+        x = mx.random.normal((8, 16), key=mx.random.key(300 + step))
+        y = mx.random.normal((8, 8), key=mx.random.key(400 + step))
+        loss, grads = nn.value_and_grad(m, net_loss)(m, x, y)
+        opt.update(m, grads)
+        mx.eval(m.parameters(), opt.state)
+        print(f"rank={rank} {tag}{step}={loss.item():.6f}")
+"""
+
+#: a hand-written script: the unsharded model on one rank loads the 2-rank checkpoint
+ONE_RANK = """
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_nbdist.script
+
+world, rank, size = mlx_nbdist.script.init(backend="ring", size=1)
+{net}
+net1 = make_net(11)
+opt1 = optim.Adam(learning_rate=0.01)
+got = mlx_nbdist.script.load_checkpoint(net1, {directory!r}, optimizer=opt1)
+print(f"rank={{rank}} files={{len(got['files'])}}")
+net_steps(net1, opt1, 3, 2, "resumed")
+print(f"rank={{rank}} step={{int(opt1.step)}}")
+"""
+
+
+@pytest.fixture(scope="module")
+def resumed(exported: Any, session2: Any, shell: Any, tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[Path, Path, dict[tuple[int, str], str]]:
+    """A notebook session trains a sharded model, saves it (the magic), loads it into a
+    fresh model (the Python API) and trains on; then exports. Returns the script, the
+    checkpoint folder and what the resumed cells printed."""
+    import mlx_nbdist
+
+    s = session2
+    folder = tmp_path_factory.mktemp("resume")
+    ckpt = folder / "ckpt"
+    s.run(NET + "net = make_net(0)")
+    mlx_nbdist.shard("net", "megatron", session=s)
+    first = s.run('opt = optim.Adam(learning_rate=0.01)\nnet_steps(net, opt, 0, 3, "first")')
+    shell.run_line_magic("mlxdist", f"save net {ckpt} --optimizer opt")
+    s.run("net2 = make_net(7)\nopt2 = optim.Adam(learning_rate=0.01)")
+    mlx_nbdist.shard("net2", "megatron", session=s)
+    mlx_nbdist.load_checkpoint("net2", ckpt, optimizer="opt2", session=s)
+    later = s.run('net_steps(net2, opt2, 3, 2, "resumed")\n'
+                  'print(f"rank={rank} step={int(opt2.step)}")')
+    printed = values("".join(o.stdout for r in (first, later) for o in r.ranks.values()))
+    assert len(printed) == 2 * 6, printed  # 3 first, 2 resumed losses and the step
+    path = folder / "resume.py"
+    s.export(path)
+    return path, ckpt, printed
+
+
+def test_notebook_save_and_load_are_recorded_once_as_script_calls(resumed):
+    path, ckpt, _ = resumed
+    text = path.read_text()
+    ast.parse(text)
+    save = (f"mlx_nbdist.script.save_checkpoint(net, {str(ckpt)!r}, optimizer=opt, "
+            "name='net')")
+    load = f"mlx_nbdist.script.load_checkpoint(net2, {str(ckpt)!r}, optimizer=opt2)"
+    assert text.count(save) == 1 and text.count("save_checkpoint(") == 1, text
+    assert text.count(load) == 1 and text.count("load_checkpoint(") == 1, text
+    assert "not replayed" not in text
+    order = ["make_net(0)", "net = mlx_nbdist.shard(net", save, "net2 = make_net(7)",
+             "net2 = mlx_nbdist.shard(net2", load, '"resumed")']
+    assert [text.index(x) for x in order] == sorted(text.index(x) for x in order)
+
+
+def test_the_exported_script_saves_and_loads_the_checkpoint_itself(resumed):
+    """The checkpoint is removed first: the script's load reads what its own save wrote
+    (each rank its slices), and resumes to the notebook's numbers."""
+    import shutil
+
+    path, ckpt, printed = resumed
+    shutil.rmtree(ckpt)
+    done = launch(path, 2)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    got = values(done.stdout)
+    for key, value in printed.items():
+        assert got.get(key) == value, (key, value, got.get(key), done.stdout[-3000:])
+    index = json.loads((ckpt / "index.json").read_text())
+    assert index["model"] == "net" and index["n_ranks"] == 2 and index["backend"] == "ring"
+    assert index["optimizer_class"] == "Adam" and len(index["files"]) == 2
+
+
+def test_a_one_rank_script_loads_the_two_rank_checkpoint_and_resumes(resumed):
+    """Resharding in a script: the whole model on one rank reads both ranks' files."""
+    path, ckpt, printed = resumed
+    script = path.with_name("one_rank.py")
+    script.write_text(ONE_RANK.format(net=NET, directory=str(ckpt)))
+    done = launch(script, 1)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    got = values(done.stdout)
+    assert got[(0, "files")] == "2" and got[(0, "step")] == printed[(0, "step")] == "5"
+    for step in (3, 4):
+        key = f"resumed{step}"
+        np.testing.assert_allclose(float(got[(0, key)]), float(printed[(0, key)]), rtol=1e-4,
+                                   err_msg=key)
+
+
+def test_a_damaged_checkpoint_stops_the_script_on_every_rank(resumed, tmp_path: Path):
+    """A corrupt file read by one rank: every rank refuses, naming it; nothing loaded."""
+    import shutil
+
+    path, ckpt, _ = resumed
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    index = json.loads((broken / "index.json").read_text())
+    victim = broken / index["shards_dir"] / "rank-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    script = tmp_path / "load_broken.py"
+    script.write_text(ONE_RANK.format(net=NET, directory=str(broken)).replace(
+        "size=1", "size=2").replace("make_net(11)", 'mlx_nbdist.shard(make_net(11), "megatron")'))
+    done = launch(script, 2)
+    assert done.returncode == 1, (done.stdout, done.stderr[-3000:])
+    assert "rank-00001.safetensors (written by rank 1) is corrupt" in done.stderr, done.stderr
+    assert "nothing was loaded" in done.stderr
+    assert "failed on ranks 0, 1 of 2" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_script_save_that_fails_on_one_rank_keeps_the_checkpoint(resumed, tmp_path: Path):
+    """Rank 1's disk "fills" mid-save: every rank raises, naming rank 1, and the
+    previous checkpoint (index and files) is as it was."""
+    import shutil
+
+    _, ckpt, _ = resumed
+    kept = tmp_path / "kept"
+    shutil.copytree(ckpt, kept)
+    before = {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    script = tmp_path / "save_full.py"
+    script.write_text(
+        "import errno\nimport mlx.core as mx\nimport mlx.nn as nn\nimport mlx_nbdist.script\n"
+        "import mlx_nbdist.engine.checkpoint as ck\n"
+        "world, rank, size = mlx_nbdist.script.init(backend='ring', size=2)\n"
+        + NET +
+        "def no_space(path, arrays):\n"
+        "    open(path, 'wb').write(b'half a file')\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device', path)\n"
+        "if rank == 1:\n"
+        "    ck.write_tensors = no_space\n"
+        "net = mlx_nbdist.shard(make_net(3), 'megatron')\n"
+        f"mlx_nbdist.script.save_checkpoint(net, {str(kept)!r}, name='net')\n")
+    done = launch(script, 2)
+    assert done.returncode == 1, (done.stdout, done.stderr[-3000:])
+    assert "failed on rank 1: OSError: [Errno 28] No space left on device" in done.stderr, (
+        done.stderr[-3000:])
+    assert "is intact (the partial files were removed)" in done.stderr
+    assert "failed on ranks 0, 1 of 2" in done.stderr
+    after = {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def launch(path: Path, n: int, *, mlx_launch: bool = False, cwd: Path | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """Run the script ``path`` on ``n`` ranks: ``python -m mlx_nbdist run`` (or MLX's
+    ``mlx.launch --backend ring``), output captured, in ``cwd`` (default: its folder)."""
+    if mlx_launch:
+        cmd = [str(MLX_LAUNCH), "-n", str(n), "--backend", "ring", "--", "python", str(path)]
+    else:
+        cmd = [sys.executable, "-m", "mlx_nbdist", "run", "-n", str(n), str(path)]
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=cwd or path.parent)
 
 
 def test_mlx_launch_runs_the_script_to_the_same_numbers(exported, session2):
     path, expected = exported
     session2.stop()  # the ranks of both launchers get the cores
-    done = subprocess.run(
-        [str(MLX_LAUNCH), "-n", "2", "--backend", "ring", "--", "python", str(path)],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=path.parent)
+    done = launch(path, 2, mlx_launch=True)
     got = values(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(expected) == 2 * 7, expected  # init, 3 losses, total, shown, last per rank
@@ -240,9 +418,7 @@ def test_mlx_launch_runs_the_script_to_the_same_numbers(exported, session2):
 
 def test_mlx_nbdist_run_prints_each_ranks_lines_and_the_same_numbers(exported):
     path, expected = exported
-    done = subprocess.run(
-        [sys.executable, "-m", "mlx_nbdist", "run", "-n", "2", str(path)],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=path.parent)
+    done = launch(path, 2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert values(done.stdout) == expected, done.stdout
     lines = [x for x in done.stdout.splitlines() if "rank=" in x]
@@ -258,8 +434,7 @@ def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
         "print(f'rank {rank} ran')\n"
         "if rank == 1:\n"
         "    raise ValueError('no data on this rank')\n")
-    done = subprocess.run([sys.executable, "-m", "mlx_nbdist", "run", "-n", "2", str(bad)],
-                          capture_output=True, text=True, timeout=120, env=_env())
+    done = launch(bad, 2)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "[rank 0] rank 0 ran" in done.stdout
     assert "ValueError: no data on this rank" in done.stderr
@@ -268,8 +443,7 @@ def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
 
 def test_another_number_of_ranks_is_refused_naming_both(exported):
     path, _ = exported
-    done = subprocess.run([sys.executable, "-m", "mlx_nbdist", "run", "-n", "1", str(path)],
-                          capture_output=True, text=True, timeout=120, env=_env())
+    done = launch(path, 1)
     assert done.returncode == 1
     assert "exported from a session of 2 ranks but runs on 1" in done.stderr, done.stderr
     assert "failed on rank 0 of 1" in done.stderr

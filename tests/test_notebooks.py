@@ -55,10 +55,10 @@ EXPECTED = {
     "06": ["Drained", "CollectiveTimeout after", "CellInterrupted after", "engine process died",
            "never received", "is in step", "exit code 3",
            "collective mismatch", "would wait forever", ", in load_batch",
-           "mostly for rank 1", "trace events, ranks [0, 1]"],
+           "mostly for rank 1", "trace events, ranks [0, 1]", "In [18]: "],
     "08": ["resharded from 2 to 1 ranks", "same losses as the notebook: True",
            "max |resumed - uninterrupted|", "plain MLX, consolidated weights",
-           "# %mlxdist save model", "model = mlx_nbdist.shard(model, 'megatron', segments=1)",
+           "mlx_nbdist.script.save_checkpoint(model, ", "model = mlx_nbdist.shard(model, 'megatron', segments=1)",
            "[rank 1] step 5: loss"],
 }
 DOWNLOADS = re.compile(

@@ -625,6 +625,19 @@ def test_gradsync_data_parallel(s2, ref):
     heights = {p.get_gid(): p.get_height() for p in bytes_ax.patches if p.get_gid()}
     assert heights["bytes:layers.0.weight:r1"] == 128 * 32 * 4
     assert not [t for t in bytes_ax.texts if t.get_gid() == "bytes-note"]
+    # the step's collectives, timed: average_gradients is one all_sum of every gradient
+    # (one bucket); the rank-0 comparison gradsync does afterwards is not counted
+    param_bytes = sum(full[p].nbytes for p in PARAMS)
+    assert g.comm is not None and [r.op for r in g.comm.rows] == ["all_sum"] * 3
+    for r in (0, 1):
+        row = g.comm.of("all_sum", r)
+        assert (row.count, row.nbytes) == (1, param_bytes), row
+        assert row.time > 0 and row.gbps and row.gbps > 0
+        assert row.ratio == pytest.approx(row.gbps / g.comm.probe_gbps)
+    line = f"this step (each rank): {g.comm.line()}"
+    assert line.startswith(f"this step (each rank): 1 all_sum, {human_bytes(param_bytes)}, ")
+    assert "x probe)" in line
+    assert line in str(g).splitlines() and line in fig.get_suptitle().splitlines()
 
 
 def test_gradsync_tensor_parallel_and_a_desynced_replica(s2, ref, tmp_path):
@@ -637,6 +650,10 @@ def test_gradsync_tensor_parallel_and_a_desynced_replica(s2, ref, tmp_path):
                   if t.rank == s.rank)
         assert s.norm_after == pytest.approx(np.linalg.norm(part_of(full[s.name], sl)), rel=1e-5)
         assert s.nbytes == 0 and "bwd all_sum/step: 0 calls, 0 B" in s.collective
+    # the step's only collective: the forward all_sum of the sharded-to-all layer
+    out_bytes = ref["BATCH"] * ref["D_OUT"] * 4
+    assert [(g.comm.of("all_sum", r).count, g.comm.of("all_sum", r).nbytes)
+            for r in (0, 1)] == [(1, out_bytes)] * 2
     fig = g.figure()
     note = [t.get_text() for t in fig.axes[2].texts if t.get_gid() == "bytes-note"]
     assert len(note) == 1 and "no gradient collective in this step" in note[0]
@@ -678,3 +695,9 @@ def test_gradsync_two_megatron_pairs_reports_the_backward_all_sum(s2, ref):
     assert len(note) == 1
     assert f"moved {human_bytes(nbytes)} per step on each rank (1 call)" in \
         " ".join(note[0].split())
+    # timed: the two sharded-to-all layers' forward all_sum and the backward one, each
+    # of a (BATCH, D_OUT) float32 activation (gradient)
+    for r in (0, 1):
+        row = g.comm.of("all_sum", r)
+        assert (row.count, row.nbytes) == (3, 3 * nbytes), row
+    assert f"this step (each rank): 3 all_sum, {human_bytes(3 * nbytes)}, " in str(g)

@@ -280,6 +280,57 @@ def test_bad_input_is_named() -> None:
         to_chrome_trace([])
 
 
+def named(cell: dict[int, Any], name: str) -> dict[int, Any]:
+    """The records of a cell with the name the session gives them (``In [7]``)."""
+    return {r: {**p, "name": name} for r, p in cell.items()}
+
+
+def test_cells_are_labelled_as_the_user_sees_them(tmp_path: Path) -> None:
+    from mlx_nbdist.viz import format_timeline, timeline_figure
+
+    tl = build([named(unbalanced_cell(19, 0.0), "In [7]"), unbalanced_cell(20, 1.0)],
+               probe_gbps=0.2, backend="ring")
+    assert tl.names == {19: "In [7]"}
+    assert (tl.label(19), tl.label(20)) == ("In [7]", "cell 20")
+    assert tl.summary().startswith("In [7], cell 20: "), tl.summary()
+    text = format_timeline(tl)
+    assert "collectives of In [7], cell 20 on ring" in text and "cells 19" not in text
+    labels = {t.get_gid(): t.get_text().strip() for t in timeline_figure(tl).axes[0].texts}
+    assert labels == {"cell:19": "In [7]", "cell:20": "cell 20"}
+    doc = to_chrome_trace(tl)
+    assert trace_problems(doc) == []
+    spans = [(e["pid"], e["name"], e["args"]["cell"]) for e in doc["traceEvents"]
+             if e.get("cat") == "cell"]
+    assert sorted(spans) == [(0, "In [7]", 19), (0, "cell 20", 20), (1, "In [7]", 19),
+                             (1, "cell 20", 20)]
+    assert doc["otherData"]["cell_names"] == {"19": "In [7]", "20": "cell 20"}
+    one = build([named(unbalanced_cell(19), "In [7]")], probe_gbps=0.2, backend="ring")
+    assert one.summary().startswith("In [7]: 40% all_sum"), one.summary()
+    many = build([named(unbalanced_cell(c, c - 1.0), f"In [{c}]") for c in range(1, 6)])
+    assert many.summary().startswith("In [1] ... In [5] (5 cells): ")
+
+
+def test_a_step_in_one_line_per_op_and_rank() -> None:
+    from mlx_nbdist.viz.gradsync import step_lines
+
+    st = build([unbalanced_cell()], probe_gbps=0.2, backend="ring").stats
+    assert st.line(0) == "1 all_sum, 1.0 MiB, 310 ms, 0.105 GB/s (0.52x probe)"
+    assert st.line(1) == "1 all_sum, 1.0 MiB, 10 ms, 0.105 GB/s (0.52x probe)"
+    assert st.line() == "1 all_sum, 1.0 MiB, 160 ms, 0.105 GB/s (0.52x probe)"
+    assert step_lines(st, [0, 1]) == [f"this step (each rank): {st.line()}"]
+    assert step_lines(None, [0, 1]) == []
+    uneven = {0: record(0, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1),
+                                     event("all_sum", 0.3, 0.4, index=2)]),
+              1: record(1, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1)])}
+    st = build([uneven], backend="ring").stats
+    assert step_lines(st, [0, 1]) == [f"this step on rank {r}: {st.line(r)}" for r in (0, 1)]
+    assert st.line(0).startswith("2 all_sum, 2.0 MiB") and "probe" not in st.line(0)
+    ev = event("all_sum", 0.1, 0.1, index=1, timed=False)
+    st = build([{0: record(0, 1, 0, 0.2, [ev]), 1: record(1, 1, 0, 0.2, [dict(ev)])}]).stats
+    assert st.line() == "2 issued inside mx.compile/vmap (not timed)"
+    assert build([{0: record(0, 1, 0, 0.2, [])}]).stats.line() == "no collective"
+
+
 def test_chrome_trace_is_valid_and_aligned(tmp_path: Path) -> None:
     tls = [build([unbalanced_cell(1, 0.0), unbalanced_cell(2, 1.0)], probe_gbps=0.2,
                  backend="ring"),
@@ -413,6 +464,33 @@ def test_recorder_off_adds_nothing_and_keeps_mlx_lazy(tracked: Any) -> None:
     assert tracker.cell_count == 1  # still recorded by the tracker
 
 
+def test_recording_times_a_window_and_puts_the_recorder_back(tracked: Any) -> None:
+    from mlx_nbdist.engine.profile import Recorder, recording
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    outer = Recorder(0, 1)
+    tracker.recorder = outer
+    rec = Recorder(0, 1, "ring")
+    rec.cell = 9
+    try:
+        mx.eval(mx.distributed.all_sum(mx.ones(4), group=world))  # before: not in the window
+        with recording(rec, tracker):
+            assert tracker.recorder is rec
+            y = mx.distributed.all_sum(_heavy(mx), group=world)
+        assert tracker.recorder is outer
+        time.sleep(0.05)
+        mx.eval(mx.distributed.all_sum(y, group=world))  # after: not in the window either
+    finally:
+        tracker.recorder = None
+    data = rec.finish("ok")
+    assert data["cell"] == 9 and [e["op"] for e in data["events"]] == ["all_sum"]
+    assert data["events"][0]["nbytes"] == 384 * 384 * 4
+    # the window ended when the block did, not when finish() was called
+    assert (time.time_ns() - data["end_ns"]) / 1e9 > 0.04
+    assert data["events"][0]["t_done"] <= data["end_ns"]
+    assert len(outer.events) == 2  # the recorder before it saw the rest
+
+
 def test_collectives_inside_compile_are_untimed(tracked: Any) -> None:
     from mlx_nbdist.engine.profile import Recorder
 
@@ -476,6 +554,20 @@ def test_a_rank_that_sleeps_is_waited_for(session2: Session, tmp_path: Path) -> 
     assert session2.timeline(2).cells[0] == r.cell
     with pytest.raises(ValueError, match="k must be a whole number from 1 to 2"):
         session2.timeline(3)
+
+
+@needs_wiring
+def test_a_named_cell_is_labelled_with_its_name(session2: Session, tmp_path: Path) -> None:
+    from mlx_nbdist.viz import format_timeline
+
+    r = session2.run(UNBALANCED, profile=True, name="In [7]")
+    tl = session2.timeline()
+    assert tl.cells == [r.cell] and tl.label(r.cell) == "In [7]"
+    assert tl.summary().startswith("In [7]: ") and f"cell {r.cell}" not in tl.summary()
+    assert "collectives of In [7] on " in format_timeline(tl)
+    doc = json.loads(session2.trace(tmp_path / "named.json").read_text())
+    assert trace_problems(doc) == []
+    assert {e["name"] for e in doc["traceEvents"] if e.get("cat") == "cell"} == {"In [7]"}
 
 
 def test_timeline_of_a_stopped_session_says_what_to_do() -> None:

@@ -17,7 +17,6 @@ checkpoint is untouched, whatever fails.
 
 from __future__ import annotations
 
-import datetime as _dt
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,19 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint_index import (
     INDEX_NAME,
-    OPTIMIZER_PREFIX,
     CheckpointError,
-    FileEntry,
     Index,
     Layout,
     SafetensorsFile,
-    Shard,
     TensorEntry,
+    check_compatible,
+    check_target,
+    file_problems,
+    new_index,
     pieces,
+    plan_writes,
 )
 from ..engine import rpc
 from ..errors import CellError
-from ..results import ShardMode
+from ..history import load_entry, save_entry
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -143,8 +144,9 @@ def save(model: str, directory: str | Path, optimizer: str | None = None, *,
     directory = str(Path(directory).expanduser().absolute())
     layouts = _describe(s, model, optimizer, "save")
     there = _apply(s, "save", engine.inspect, directory, ranks=[0])[0]
-    previous = _check_target(directory, there, model, layouts, overwrite)
-    writes, params, opt_entries = _plan_writes(layouts)
+    previous = check_target(directory, there, model, layouts, overwrite)
+    writes, params, opt_entries = plan_writes(layouts)
+    given = str(Path(tokenizer_from).expanduser().absolute()) if tokenizer_from else None
     source = (layouts[min(layouts)].get("lm") or {}).get("source")
     tokenizer_from = tokenizer_from or source or None
     token = uuid.uuid4().hex[:10]
@@ -167,32 +169,17 @@ def save(model: str, directory: str | Path, optimizer: str | None = None, *,
     if missing:
         _discard(s, directory, staging)
         raise CheckpointError(f"save of {model!r}: ranks {missing} did not answer; {intact}")
-    files: dict[str, FileEntry] = {}
-    for rank, g in sorted(got.items()):
-        if g["file"] is None:
-            continue
-        files[g["file"]] = FileEntry(g["file"], rank, g["sha256"], int(g["bytes"]))
-        for entry in (*params.values(), *opt_entries.values()):
-            for i, sh in enumerate(entry.shards):
-                if sh.rank == rank:
-                    entry.shards[i] = Shard(sh.rank, sh.index, g["file"], sh.key, sh.shape)
-    first = layouts[min(layouts)]
-    lm = first.get("lm")
-    if lm is not None:
-        lm = {"config": lm["config"], "tokenizer_files": got[0].get("tokenizer_files", [])}
-    index = Index(
-        model=model, model_class=first["model_class"], n_ranks=s.n,
-        backend=str(getattr(s, "backend", "")), shards_dir=f"shards-{token}", params=params,
-        files=files, optimizer=opt_entries, optimizer_class=first.get("optimizer_class", ""),
-        quantization=first.get("quantization", {}), lm=lm, mlx_version=_mlx_version(),
-        nbdist_version=_nbdist_version(),
-        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+    index = new_index(model, layouts, got, params, opt_entries, n_ranks=s.n,
+                      backend=str(getattr(s, "backend", "")), shards_dir=f"shards-{token}")
     try:
         _apply(s, "save (writing the index)", engine.commit, directory, staging,
                index.to_json(), ranks=[0])
     except CheckpointError as e:
         _discard(s, directory, staging)
         raise CheckpointError(f"{e}; {intact}") from None
+    # an export replays it: each rank of the script saves its own slices
+    s.record(save_entry(model, directory, optimizer, overwrite=overwrite,
+                        tokenizer_from=given))
     return Saved(directory, index, previous.describe() if previous is not None else "")
 
 
@@ -220,91 +207,6 @@ def _describe(s: Session, model: str, optimizer: str | None, command: str
                 f"{command}: {optimizer!r} is not an mlx.optimizers optimizer on ranks "
                 f"{no_opt}; define it on every rank first")
     return layouts
-
-
-def _check_target(directory: str, there: dict[str, Any], model: str,
-                  layouts: dict[int, dict[str, Any]], overwrite: bool) -> Index | None:
-    """The checkpoint a save replaces (``None``: none), or a refusal."""
-    if there.get("not_dir"):
-        raise CheckpointError(f"save: {directory} exists and is not a folder")
-    previous = None
-    if there["index"] is not None:
-        previous = Index.from_json(there["index"], str(Path(directory) / INDEX_NAME))
-        shapes = {p: tuple(d["shape"]) for d in layouts.values() for p, d in d["params"].items()}
-        if (previous.model != model or previous.signature() != shapes) and not overwrite:
-            raise CheckpointError(
-                f"save: {directory} holds a checkpoint of another model: "
-                f"{previous.describe()}; pass overwrite=True (--overwrite) to replace it, or "
-                "choose another folder; nothing was written")
-    elif there["others"] and not overwrite:
-        shown = ", ".join(there["others"][:5]) + (" ..." if len(there["others"]) > 5 else "")
-        raise CheckpointError(
-            f"save: {directory} is not empty and holds no checkpoint ({shown}); pass "
-            "overwrite=True (--overwrite) to write the checkpoint beside those files, or "
-            "choose another folder; nothing was written")
-    return previous
-
-
-def _plan_writes(layouts: dict[int, dict[str, Any]]
-                 ) -> tuple[dict[int, dict[str, list[str]]], dict[str, TensorEntry],
-                            dict[str, TensorEntry]]:
-    """Who writes what: each slice of a split tensor by its rank, a whole tensor once."""
-    writes: dict[int, dict[str, list[str]]] = {r: {"params": [], "optimizer": []}
-                                               for r in layouts}
-    out = []
-    for kind in ("params", "optimizer"):
-        entries: dict[str, TensorEntry] = {}
-        holders: dict[str, list[int]] = {}
-        for rank in sorted(layouts):
-            for path, spec in layouts[rank][kind].items():
-                holders.setdefault(path, []).append(rank)
-                if path not in entries:
-                    entries[path] = TensorEntry(
-                        shape=tuple(spec["shape"]), dtype=spec["dtype"],
-                        mode=ShardMode(spec["mode"]), axis=spec["axis"],
-                        segments=spec["segments"], group_size=spec["group_size"],
-                        kind=spec["kind"], layer=spec["layer"], of=spec.get("of", ""))
-                _same_layout(path, entries[path], spec, rank)
-        for path, entry in entries.items():
-            ranks = holders[path]
-            entry.holders = ranks
-            writers = ranks if entry.axis is not None else ranks[:1]
-            for rank in writers:
-                spec = layouts[rank][kind][path]
-                entry.shards.append(Shard(rank, spec["index"], "", _key(kind, path),
-                                          tuple(spec["local_shape"])))
-                writes[rank][kind].append(path)
-        out.append(entries)
-    return writes, out[0], out[1]
-
-
-def _key(kind: str, path: str) -> str:
-    return path if kind == "params" else OPTIMIZER_PREFIX + path
-
-
-def _same_layout(path: str, entry: TensorEntry, spec: dict[str, Any], rank: int) -> None:
-    if (tuple(spec["shape"]) != tuple(entry.shape) or spec["dtype"] != entry.dtype
-            or spec["axis"] != entry.axis or spec["segments"] != entry.segments):
-        raise CheckpointError(
-            f"save: {path} is laid out differently on rank {rank} (shape "
-            f"{tuple(spec['shape'])}, {spec['dtype']}, axis {spec['axis']}) than on the "
-            f"first rank that holds it (shape {tuple(entry.shape)}, {entry.dtype}, axis "
-            f"{entry.axis}): every rank must build and shard the model the same way")
-
-
-def _mlx_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mlx")
-    except PackageNotFoundError:
-        return ""
-
-
-def _nbdist_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 # -------------------------------------------------------------------------- loading
@@ -341,7 +243,7 @@ def load(model: str, directory: str | Path, optimizer: str | None = None, *,
         raise CheckpointError(f"load: {directory} has no {INDEX_NAME}: it is not a checkpoint "
                               "folder (or no save into it finished)")
     index = Index.from_json(there["index"], str(Path(directory) / INDEX_NAME))
-    _check_compatible(index, layouts, optimizer)
+    check_compatible(index, layouts, optimizer)
     text = index.to_json()
     names = [f.name for f in index.files_of()]
     ranks = sorted(layouts)
@@ -355,58 +257,9 @@ def load(model: str, directory: str | Path, optimizer: str | None = None, *,
         raise CheckpointError(f"load: the checkpoint in {directory} is damaged; nothing was "
                               "loaded:\n  - " + "\n  - ".join(problems))
     got = _apply(s, "load", engine.load_shard, model, directory, text, optimizer)
+    # an export replays it: each rank of the script loads its own slices
+    s.record(load_entry(model, directory, optimizer))
     return Loaded(directory, index, s.n, {r: g["bytes_read"] for r, g in got.items()})
-
-
-def _check_compatible(index: Index, layouts: dict[int, dict[str, Any]],
-                      optimizer: str | None) -> None:
-    """Refuse, naming every problem, a model that is not the one saved."""
-    problems: list[str] = []
-    for kind, saved, what in (("params", index.params, "parameter"),
-                              ("optimizer", index.optimizer, "optimizer entry")):
-        if kind == "optimizer" and optimizer is None:
-            continue
-        if kind == "optimizer" and not index.optimizer_class:
-            problems.append(f"the checkpoint has no optimizer state (saved without "
-                            f"optimizer=); load without optimizer={optimizer!r}")
-            continue
-        if kind == "optimizer":
-            cls = layouts[min(layouts)]["optimizer_class"]
-            if cls != index.optimizer_class:
-                problems.append(f"the checkpoint holds {index.optimizer_class} state, "
-                                f"{optimizer!r} is a {cls}")
-                continue
-        held: dict[str, list[int]] = {}
-        for rank, d in sorted(layouts.items()):
-            for path, spec in d[kind].items():
-                held.setdefault(path, []).append(rank)
-                entry = saved.get(path)
-                if entry is None:
-                    continue
-                if tuple(spec["shape"]) != tuple(entry.shape):
-                    problems.append(f"{what} {path}: the checkpoint holds shape "
-                                    f"{tuple(entry.shape)}, the model has "
-                                    f"{tuple(spec['shape'])} (rank {rank})")
-                elif spec["dtype"] != entry.dtype:
-                    problems.append(f"{what} {path}: the checkpoint holds {entry.dtype}, the "
-                                    f"model has {spec['dtype']} (rank {rank})")
-                else:
-                    problem = Layout(tuple(spec["shape"]), spec["axis"], spec["segments"],
-                                     spec["group_size"]).problem(path)
-                    if problem:
-                        problems.append(f"{what} {problem}")
-        missing = sorted(set(saved) - set(held))
-        extra = sorted(set(held) - set(saved))
-        if missing:
-            problems.append(f"the model has no {what} {', '.join(missing)} that the checkpoint "
-                            "holds")
-        if extra:
-            problems.append(f"the checkpoint has no {what} {', '.join(extra)} of the model")
-    if problems:
-        unique = list(dict.fromkeys(problems))
-        raise CheckpointError(
-            f"load: the checkpoint ({index.describe()}) does not fit this model; nothing was "
-            "loaded:\n  - " + "\n  - ".join(unique))
 
 
 # --------------------------------------------------------------------- consolidating
@@ -432,7 +285,7 @@ def consolidate(directory: str | Path, out: str | Path, *, optimizer: bool = Fal
 
     index = read_index(directory)
     folder = Path(directory).expanduser() / index.shards_dir
-    problems = _verify_here(folder, index)
+    problems = file_problems(Path(directory).expanduser(), index)
     if problems:
         raise CheckpointError(f"consolidate: the checkpoint in {directory} is damaged; "
                               "nothing was written:\n  - " + "\n  - ".join(problems))
@@ -457,20 +310,6 @@ def consolidate(directory: str | Path, out: str | Path, *, optimizer: bool = Fal
         for n in index.lm.get("tokenizer_files", []):
             shutil.copy2(folder / n, out / n)
     return out
-
-
-def _verify_here(folder: Path, index: Index) -> list[str]:
-    from ..engine.checkpoint import sha256
-
-    problems = []
-    for f in index.files_of():
-        who = f"{f.name} (written by rank {f.rank})"
-        path = folder / f.name
-        if not path.is_file():
-            problems.append(f"{who} is missing from {folder}")
-        elif sha256(path) != f.sha256:
-            problems.append(f"{who} is corrupt: its sha256 differs from the index's")
-    return problems
 
 
 def _whole(entries: dict[str, TensorEntry], folder: Path, index: Index,

@@ -26,6 +26,7 @@ from ..results import GradSample, HeadRow, PlanRow, StageRow, TensorSlice
 
 if TYPE_CHECKING:
     from ..session import Session
+    from ..timelines import CommStats
 
 
 def _session(session: Session | None) -> Session:
@@ -247,9 +248,17 @@ def one_tensor(name: str, got: list[TensorSlice], command: str) -> list[TensorSl
 
 @dataclass
 class GradSync:
-    """Per-rank gradients of one step, before and after synchronisation."""
+    """Per-rank gradients of one step, before and after synchronisation.
+
+    Attributes:
+        samples: one per parameter and rank.
+        comm: the step's collectives per op and rank (count, bytes, time, GB/s and
+            the ratio to the backend's probe), timed as ``%%mlxdist --profile`` times
+            a cell's; ``None`` when the ranks sent no record.
+    """
 
     samples: list[GradSample]
+    comm: CommStats | None = None
 
     def desynced(self, tol: float = 1e-6) -> list[str]:
         from ..viz import desynced
@@ -259,12 +268,12 @@ class GradSync:
     def figure(self) -> Any:
         from ..viz import gradsync_figure
 
-        return gradsync_figure(self.samples)
+        return gradsync_figure(self.samples, comm=self.comm)
 
     def __str__(self) -> str:
         from ..viz import format_gradsync
 
-        return format_gradsync(self.samples)
+        return format_gradsync(self.samples, comm=self.comm)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -279,12 +288,18 @@ def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | Non
         step: the loss expression, evaluated on each rank with ``name`` bound to the
             model, e.g. ``"loss_fn(model, x, y)"``.
         mode: ``auto``, ``dp`` (average_gradients), ``tp`` or ``fsdp``.
+
+    The real step's collectives are timed on every rank as in a ``%%mlxdist
+    --profile`` cell (each evaluated where it is issued) and summed up in
+    :attr:`GradSync.comm`; the first call of a session also probes the backend's
+    bandwidth (see :meth:`Session.run`'s ``profile``).
     """
     s = _session(session)
     got = _unwrap(s.apply, rpc.grad_samples, name, step, mode, own=True)
     samples = [GradSample(**{**d, "shape": tuple(d["shape"])})
-               for _, rows in sorted(got.items()) for d in rows]
-    return GradSync(samples)
+               for _, out in sorted(got.items()) for d in out["samples"]]
+    records = {r: out["profile"] for r, out in got.items() if out.get("profile")}
+    return GradSync(samples, s.profiles.window(records).stats if records else None)
 
 
 @dataclass

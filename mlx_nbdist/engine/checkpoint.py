@@ -1,11 +1,18 @@
 """Save and load a sharded model (and its optimizer state) on the ranks.
 
-Runs inside a rank; the notebook (:mod:`mlx_nbdist.client.checkpoint`) applies these
-functions with ``Session.apply`` (by reference: this module is importable on every
-rank) and owns the order: :func:`describe` on every rank, :func:`inspect` on rank 0,
-:func:`save_shard` on every rank into a staging folder, :func:`commit` on rank 0 (the
-atomic swap); or :func:`verify_files` spread over the ranks, then :func:`load_shard`.
-None of them issues a collective, so a rank that fails leaves the group usable.
+Runs inside a rank. The core functions take the model and optimizer *objects*:
+:func:`layout`, :func:`write_shard`, :func:`load_into`. Two drivers use them:
+
+* the notebook (:mod:`mlx_nbdist.client.checkpoint`) applies the name-taking
+  wrappers with ``Session.apply`` (by reference: this module is importable on every
+  rank) and owns the order: :func:`describe` on every rank, :func:`inspect` on rank 0,
+  :func:`save_shard` on every rank into a staging folder, :func:`commit` on rank 0 (the
+  atomic swap); or :func:`verify_files` spread over the ranks, then :func:`load_shard`.
+  None of them issues a collective, so a rank that fails leaves the group usable.
+* a script (:mod:`mlx_nbdist.script`) calls :func:`save_here` / :func:`load_here` on
+  every rank: the same steps, with the ranks' layouts and outcomes exchanged by
+  ``all_gather`` (every rank calls every collective, whatever failed, so a failure
+  on one rank is raised on all of them instead of leaving peers blocked).
 
 Tensors are named by their *canonical* path: the parameter path in the model, less the
 ``module.`` prefix of an FSDP wrapper, so a checkpoint saved under one layout loads
@@ -14,10 +21,12 @@ under any other. Layouts come from :func:`mlx_nbdist.engine.sharding.param_specs
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import shutil
-from dataclasses import asdict, is_dataclass
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +41,16 @@ from ..checkpoint_index import (
     CheckpointError,
     Index,
     Layout,
+    Piece,
     SafetensorsFile,
     TensorEntry,
+    check_compatible,
+    check_target,
+    file_problems,
+    new_index,
     pieces,
+    plan_writes,
+    sha256,
 )
 from ..results import ShardMode
 from .dtypes import dtype_name
@@ -49,10 +65,15 @@ __all__ = [
     "discard",
     "file_name",
     "inspect",
+    "layout",
+    "load_here",
+    "load_into",
     "load_shard",
+    "save_here",
     "save_shard",
     "sha256",
     "verify_files",
+    "write_shard",
     "write_tensors",
 ]
 
@@ -73,14 +94,6 @@ def write_tensors(path: str, arrays: dict[str, mx.array]) -> None:
     mx.save_safetensors(path, arrays)
 
 
-def sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ------------------------------------------------------------------- the rank's names
 
 
@@ -97,11 +110,25 @@ def _lookup(name: str, command: str) -> nn.Module:
     if name not in ns:
         raise CheckpointError(f"{command}: {name!r} is not defined on this rank (define it "
                               "in a %%mlxdist cell)")
-    model = ns[name]
+    return _model(ns[name], command, repr(name))
+
+
+def _model(model: Any, command: str, what: str = "the model") -> nn.Module:
     if not isinstance(model, nn.Module):
-        raise CheckpointError(f"{command}: {name!r} is a {type(model).__name__}, not a model "
+        raise CheckpointError(f"{command}: {what} is a {type(model).__name__}, not a model "
                               "(an mlx.nn.Module)")
     return model
+
+
+def _is_optimizer(opt: Any) -> bool:
+    return opt is not None and hasattr(opt, "state") and hasattr(opt, "init")
+
+
+def _optimizer(opt: Any, command: str) -> Any:
+    if opt is not None and not _is_optimizer(opt):
+        raise CheckpointError(f"{command}: optimizer= is a {type(opt).__name__}, not an "
+                              "mlx.optimizers optimizer")
+    return opt
 
 
 def _prefix(model: nn.Module) -> str:
@@ -116,32 +143,38 @@ def _canonical(path: str, prefix: str) -> str:
 # ----------------------------------------------------------------------- describing
 
 
+def layout(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """This rank's layout of ``model`` (and of ``optimizer``'s state), as plain data:
+    ``{"params": {canonical: spec}, "optimizer": {canonical: spec}, "optimizer_class",
+    "model_class", "quantization", "lm"}``. A fresh optimizer gets its state entries."""
+    st = current()
+    out: dict[str, Any] = {"model_class": type(model).__name__,
+                           "params": _param_layout(model, st.rank, st.size),
+                           "quantization": _quantization(model), "lm": _lm_config(model),
+                           "optimizer": {}, "optimizer_class": ""}
+    if optimizer is not None:
+        _init_state(optimizer, model)
+        out["optimizer_class"] = type(optimizer).__name__
+        out["optimizer"] = _optimizer_layout(optimizer, model, out["params"])
+    return out
+
+
 def describe(name: str, optimizer: str | None = None) -> dict[str, Any]:
-    """This rank's layout of model ``name`` (and optimizer ``optimizer``), as plain data.
+    """:func:`layout` of model ``name`` (and optimizer ``optimizer``) on this rank.
 
     Returns ``{"defined": False, "what": ...}`` when ``name`` is not a model here (the
-    notebook names the ranks), else ``{"params": {canonical: spec}, "optimizer":
-    {canonical: spec}, "optimizer_class", "model_class", "quantization", "lm"}``.
+    notebook names the ranks), else the layout with ``"defined": True`` and
+    ``"optimizer_defined"`` (false when ``optimizer`` is not an optimizer here).
     """
     ns = _namespace()
     model = ns.get(name)
     if not isinstance(model, nn.Module):
         return {"defined": False,
                 "what": "not defined" if name not in ns else f"a {type(model).__name__}"}
-    st = current()
-    out: dict[str, Any] = {"defined": True, "model_class": type(model).__name__,
-                           "params": _param_layout(model, st.rank, st.size),
-                           "quantization": _quantization(model), "lm": _lm_config(model)}
-    out["optimizer"], out["optimizer_class"], out["optimizer_defined"] = {}, "", True
-    if optimizer is not None:
-        opt = ns.get(optimizer)
-        if opt is None or not hasattr(opt, "state") or not hasattr(opt, "init"):
-            out["optimizer_defined"] = False
-            return out
-        _init_state(opt, model)
-        out["optimizer_class"] = type(opt).__name__
-        out["optimizer"] = _optimizer_layout(opt, model, out["params"])
-    return out
+    opt = ns.get(optimizer) if optimizer is not None else None
+    if optimizer is not None and not _is_optimizer(opt):
+        return {"defined": True, **layout(model), "optimizer_defined": False}
+    return {"defined": True, **layout(model, opt), "optimizer_defined": True}
 
 
 def _param_layout(model: nn.Module, rank: int, size: int) -> dict[str, dict[str, Any]]:
@@ -259,10 +292,19 @@ def inspect(directory: str) -> dict[str, Any]:
 def save_shard(name: str, directory: str, staging: str, writes: dict[int, dict[str, list[str]]],
                optimizer: str | None = None, tokenizer_from: str | None = None
                ) -> dict[str, Any]:
+    """:func:`write_shard` of model ``name`` (and optimizer ``optimizer``) on this rank."""
+    model = _lookup(name, "save")
+    opt = _namespace()[optimizer] if optimizer else None
+    return write_shard(model, directory, staging, writes, opt, tokenizer_from)
+
+
+def write_shard(model: nn.Module, directory: str, staging: str,
+                writes: dict[int, dict[str, list[str]]], optimizer: Any = None,
+                tokenizer_from: str | None = None) -> dict[str, Any]:
     """Write this rank's share of the checkpoint into ``directory/staging``.
 
     Args:
-        name: the model's name on the ranks; ``optimizer``: the optimizer's.
+        model, optimizer: the model and its optimizer (``None``: none) on this rank.
         staging: the staging folder (inside ``directory``) every rank writes into.
         writes: per rank, ``{"params": [canonical paths], "optimizer": [canonical
             keys]}`` it writes (replicated tensors are written by one holder only).
@@ -274,8 +316,6 @@ def save_shard(name: str, directory: str, staging: str, writes: dict[int, dict[s
         temporary name and renamed when complete.
     """
     st = current()
-    ns = _namespace()
-    model = _lookup(name, "save")
     mine = writes.get(st.rank) or writes.get(str(st.rank)) or {}  # type: ignore[call-overload]
     folder = Path(directory) / staging
     folder.mkdir(parents=True, exist_ok=True)
@@ -283,15 +323,13 @@ def save_shard(name: str, directory: str, staging: str, writes: dict[int, dict[s
     if st.rank == 0 and tokenizer_from:
         out["tokenizer_files"] = _copy_tokenizer(Path(tokenizer_from), folder)
     arrays: dict[str, mx.array] = {}
+    prefix = _prefix(model)
     if mine.get("params"):
         params = dict(tree_flatten(model.parameters()))
-        prefix = _prefix(model)
         for c in mine["params"]:
             arrays[c] = params[prefix + c if prefix + c in params else c]
     if mine.get("optimizer"):
-        opt = ns[optimizer] if optimizer else None
-        state = dict(tree_flatten(opt.state)) if opt is not None else {}
-        prefix = _prefix(model)
+        state = dict(tree_flatten(optimizer.state)) if optimizer is not None else {}
         for c in mine["optimizer"]:
             arrays[OPTIMIZER_PREFIX + c] = state[prefix + c if prefix + c in state else c]
     if not arrays:
@@ -372,48 +410,57 @@ def _fsync_dir(d: Path) -> None:
 
 def verify_files(directory: str, index_json: str, names: list[str]) -> list[str]:
     """Check the sha256 of the files ``names`` of the checkpoint; returns the problems."""
-    index = Index.from_json(index_json)
-    folder = Path(directory) / index.shards_dir
-    problems = []
-    for n in names:
-        entry = index.files[n]
-        path = folder / n
-        who = f"{n} (written by rank {entry.rank})"
-        if not path.is_file():
-            problems.append(f"{who} is missing from {folder}")
-        elif path.stat().st_size != entry.bytes:
-            problems.append(f"{who} has {path.stat().st_size} bytes, the index says "
-                            f"{entry.bytes}: the file is truncated or was changed")
-        elif sha256(path) != entry.sha256:
-            problems.append(f"{who} is corrupt: its sha256 differs from the index's")
-    return problems
+    return file_problems(directory, Index.from_json(index_json), names)
 
 
 def load_shard(name: str, directory: str, index_json: str, optimizer: str | None = None
                ) -> dict[str, Any]:
-    """Fill this rank's parameters (and optimizer state) of model ``name`` from the
-    checkpoint, reading only the slices this rank holds under its current layout.
+    """:func:`load_into` model ``name`` (and optimizer ``optimizer``) on this rank."""
+    model = _lookup(name, "load")
+    opt = _namespace()[optimizer] if optimizer is not None else None
+    return load_into(model, directory, Index.from_json(index_json), opt)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One tensor this rank fills: its path in the model (or optimizer state), and the
+    pieces of saved files it is made of."""
+
+    raw: str
+    canonical: str
+    dtype: str
+    local: tuple[int, ...]
+    pieces: list[Piece]
+
+
+def _plan_reads(model: nn.Module, index: Index, optimizer: Any = None
+                ) -> tuple[list[_Read], list[_Read]]:
+    """What this rank reads for its parameters, and for its optimizer's state."""
+    st = current()
+    params = _param_layout(model, st.rank, st.size)
+    reads = [_read_of(c, index.params.get(c), spec, "parameter") for c, spec in params.items()]
+    opt_reads = []
+    if optimizer is not None:
+        _init_state(optimizer, model)
+        opt_reads = [_read_of(c, index.optimizer.get(c), spec, "optimizer entry")
+                     for c, spec in _optimizer_layout(optimizer, model, params).items()]
+    return reads, opt_reads
+
+
+def load_into(model: nn.Module, directory: str, index: Index, optimizer: Any = None
+              ) -> dict[str, Any]:
+    """Fill this rank's parameters of ``model`` (and ``optimizer``'s state) from the
+    checkpoint in ``directory`` (whose index is ``index``), reading only the slices
+    this rank holds under its current layout.
 
     Returns ``{"bytes_read", "tensors", "files"}`` for this rank.
     """
-    st = current()
-    ns = _namespace()
-    model = _lookup(name, "load")
-    index = Index.from_json(index_json)
+    reads, opt_reads = _plan_reads(model, index, optimizer)
     folder = Path(directory) / index.shards_dir
     readers: dict[str, SafetensorsFile] = {}
     try:
-        params = _param_layout(model, st.rank, st.size)
-        values = [(spec["raw"], _assemble(c, index.params.get(c), spec, folder, index,
-                                          readers, "parameter")) for c, spec in params.items()]
-        opt_values = []
-        if optimizer is not None:
-            opt = ns[optimizer]
-            _init_state(opt, model)
-            layout = _optimizer_layout(opt, model, params)
-            opt_values = [(spec["raw"], _assemble(c, index.optimizer.get(c), spec, folder,
-                                                  index, readers, "optimizer entry"))
-                          for c, spec in layout.items()]
+        values = [(r.raw, _assemble(r, folder, index, readers)) for r in reads]
+        opt_values = [(r.raw, _assemble(r, folder, index, readers)) for r in opt_reads]
         read = sum(r.bytes_read for r in readers.values())
         files = sorted(readers)
     finally:
@@ -421,18 +468,15 @@ def load_shard(name: str, directory: str, index_json: str, optimizer: str | None
             r.close()
     model.load_weights(values, strict=False)
     if optimizer is not None:
-        opt = ns[optimizer]
         for raw, value in opt_values:
-            _set_path(opt.state, raw, value)
-        mx.eval(opt.state)
+            _set_path(optimizer.state, raw, value)
+        mx.eval(optimizer.state)
     mx.eval(model.parameters())
     return {"bytes_read": read, "tensors": len(values) + len(opt_values), "files": files}
 
 
-def _assemble(canonical: str, entry: TensorEntry | None, spec: dict[str, Any], folder: Path,
-              index: Index, readers: dict[str, SafetensorsFile], what: str) -> mx.array:
-    import numpy as np
-
+def _read_of(canonical: str, entry: TensorEntry | None, spec: dict[str, Any], what: str
+             ) -> _Read:
     if entry is None:
         raise CheckpointError(f"{what} {canonical} of this rank is not in the checkpoint")
     if entry.dtype != spec["dtype"]:
@@ -443,8 +487,16 @@ def _assemble(canonical: str, entry: TensorEntry | None, spec: dict[str, Any], f
     if target.local_shape() != local:
         raise CheckpointError(f"{what} {canonical}: this rank holds {local}, which is not a "
                               f"1/{target.n_ranks} split of {tuple(spec['shape'])}")
+    return _Read(spec["raw"], canonical, entry.dtype, local,
+                 pieces(canonical, entry, target, spec["index"]))
+
+
+def _assemble(read: _Read, folder: Path, index: Index, readers: dict[str, SafetensorsFile]
+              ) -> mx.array:
+    import numpy as np
+
     out: Any = None
-    for piece in pieces(canonical, entry, target, spec["index"]):
+    for piece in read.pieces:
         reader = readers.get(piece.file)
         if reader is None:
             rank = index.files[piece.file].rank if piece.file in index.files else "?"
@@ -456,10 +508,10 @@ def _assemble(canonical: str, entry: TensorEntry | None, spec: dict[str, Any], f
                 str(path), f"{piece.file} (written by rank {rank})")
         data = reader.read(piece.key, piece.src)
         if out is None:
-            out = np.empty(local, dtype=data.dtype)
+            out = np.empty(read.local, dtype=data.dtype)
         out[tuple(slice(a, b) for a, b in piece.dst)] = data
     arr = mx.array(out)
-    if entry.dtype == "bfloat16":
+    if read.dtype == "bfloat16":
         arr = arr.view(mx.bfloat16)
     return arr
 
@@ -474,3 +526,163 @@ def _set_path(tree: Any, path: str, value: mx.array) -> None:
         node[int(last)] = value
     else:
         node[last] = value
+
+
+# ------------------------------------------------- driven from every rank (scripts)
+
+
+def save_here(model: nn.Module, directory: str | os.PathLike[str], optimizer: Any = None, *,
+              name: str = "model", overwrite: bool = False,
+              tokenizer_from: str | os.PathLike[str] | None = None) -> Index:
+    """Save ``model`` (and ``optimizer``'s state) from every rank of this group: call it
+    on every rank (it is collective). The same checkpoint as a notebook's save: each
+    rank writes its slices into a staging folder, then rank 0, once every rank has
+    written (an ``all_gather``), writes the index and swaps it in atomically.
+
+    Args:
+        name: the model's name in the index (the notebook's name for it).
+        overwrite, tokenizer_from: as for :func:`mlx_nbdist.save`.
+
+    Returns:
+        The new index, on every rank.
+
+    Raises:
+        CheckpointError: on every rank, naming the ranks that failed (a full disk
+            included) and saying that the previous checkpoint is intact.
+    """
+    st = current()
+    command = f"save of {name!r}"
+    model = _model(model, command)
+    optimizer = _optimizer(optimizer, command)
+    directory = str(Path(directory).expanduser().absolute())
+
+    def first() -> dict[str, Any]:
+        out = {"layout": layout(model, optimizer), "there": None, "token": ""}
+        if st.rank == 0:
+            out.update(there=inspect(directory), token=uuid.uuid4().hex[:10])
+        return out
+
+    got = _agree(command, first)
+    layouts = {r: g["layout"] for r, g in got.items()}
+    token = got[0]["token"]
+    previous = check_target(directory, got[0]["there"], name, layouts, overwrite)
+    writes, params, opt_entries = plan_writes(layouts)
+    staging = f".staging-{token}"
+    intact = (f"the previous checkpoint in {directory} ({previous.describe()}) is intact"
+              if previous is not None else f"nothing was saved in {directory}")
+    source = (layouts[0].get("lm") or {}).get("source")
+    tokens = str(tokenizer_from or source or "") or None
+    try:
+        written = _agree(command, lambda: write_shard(model, directory, staging, writes,
+                                                      optimizer, tokens))
+    except CheckpointError as e:
+        if st.rank == 0:
+            discard(directory, staging)
+        raise CheckpointError(f"{e}; {intact} (the partial files were removed)") from None
+    index = new_index(name, layouts, written, params, opt_entries, n_ranks=st.size,
+                      backend=str(getattr(st.tracker, "backend", "") or ""),
+                      shards_dir=f"shards-{token}")
+
+    def swap() -> None:
+        if st.rank == 0:
+            commit(directory, staging, index.to_json())
+
+    try:
+        _agree(f"{command} (writing the index)", swap)
+    except CheckpointError as e:
+        if st.rank == 0:
+            discard(directory, staging)
+        raise CheckpointError(f"{e}; {intact}") from None
+    return index
+
+
+def load_here(model: nn.Module, directory: str | os.PathLike[str], optimizer: Any = None
+              ) -> dict[str, Any]:
+    """Load the checkpoint in ``directory`` into ``model`` (and ``optimizer``) on every
+    rank of this group: call it on every rank (it is collective). The checks of a
+    notebook's load (:func:`mlx_nbdist.checkpoint_index.check_compatible` on every
+    rank's layout), then each rank verifies the sha256 of the files it reads and, when
+    every rank's files are sound, reads its slices (resharding when N or the layout
+    differs from the save's).
+
+    Returns:
+        This rank's ``{"bytes_read", "tensors", "files"}`` and the index (``"index"``).
+
+    Raises:
+        CheckpointError: on every rank, naming the problem (and the rank that found
+            it); nothing is loaded on any rank.
+    """
+    st = current()
+    directory = str(Path(directory).expanduser().absolute())
+    command = f"load of {directory}"
+    model = _model(model, command)
+    optimizer = _optimizer(optimizer, command)
+    where = str(Path(directory) / INDEX_NAME)
+
+    def first() -> dict[str, Any]:
+        text = None
+        if st.rank == 0:
+            if not Path(where).is_file():
+                raise CheckpointError(f"{directory} has no {INDEX_NAME}: it is not a "
+                                      "checkpoint folder (or no save into it finished)")
+            text = Path(where).read_text()
+            Index.from_json(text, where)  # a broken index is refused here, by rank 0
+        return {"layout": layout(model, optimizer), "index": text}
+
+    got = _agree(command, first)
+    index = Index.from_json(got[0]["index"], where)
+    check_compatible(index, {r: g["layout"] for r, g in got.items()},
+                     None if optimizer is None else "optimizer")
+
+    def verify() -> None:
+        reads, opt_reads = _plan_reads(model, index, optimizer)
+        names = sorted({p.file for r in (*reads, *opt_reads) for p in r.pieces})
+        problems = file_problems(directory, index, names)
+        if problems:
+            raise CheckpointError(f"the checkpoint in {directory} is damaged: "
+                                  + "; ".join(problems))
+
+    try:
+        _agree(command, verify)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; nothing was loaded") from None
+    return {**load_into(model, directory, index, optimizer), "index": index}
+
+
+def _agree(what: str, step: Callable[[], Any]) -> dict[int, Any]:
+    """Run ``step`` on this rank and gather every rank's value; when it raised on any
+    rank, raise on every rank a CheckpointError naming the ranks and their errors."""
+    try:
+        mine = {"value": step(), "error": ""}
+    except Exception as e:  # noqa: BLE001 - sent to the peers, raised below on every rank
+        label = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "
+        mine = {"value": None, "error": f"{label}{e}"}
+    got = _gather(mine)
+    errors: dict[str, list[int]] = {}
+    for rank, g in enumerate(got):
+        if g["error"]:
+            errors.setdefault(g["error"], []).append(rank)
+    if errors:
+        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}"
+                         for e, r in errors.items())
+        raise CheckpointError(f"{what} failed on {said}")
+    return {rank: g["value"] for rank, g in enumerate(got)}
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (JSON data), in rank order: two ``all_gather`` s (the
+    lengths, then the padded bytes). Collective: every rank must call it."""
+    import numpy as np
+
+    st = current()
+    if st.size == 1:
+        return [json.loads(json.dumps(value))]
+    data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+    lengths = np.array(mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32),
+                                                 group=st.world))
+    longest = int(lengths.max())
+    buf = np.zeros(longest, dtype=np.uint8)
+    buf[:data.size] = data
+    rows = np.array(mx.distributed.all_gather(mx.array(buf), group=st.world)).reshape(
+        st.size, longest)
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]

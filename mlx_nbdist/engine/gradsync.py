@@ -40,12 +40,17 @@ before-gradient ignores ``compute_dtype``, and ``fsdp`` needs a backend with
 ``sum_scatter`` (MLX 0.32's ring and mpi CPU backends lack it: a clear
 ``RuntimeError`` is raised there, on every rank). Two forward/backward passes are
 run (before and after).
+
+The real step (``dp``: the gradient and its ``average_gradients``; ``tp``/``fsdp``:
+the pass with the real synchronisation) runs inside ``timing()``: the notebook's
+``gradsync`` passes a :func:`~.profile.recording` of it, so its collectives are
+counted and timed (the "before" pass and the rank-0 comparison are not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -62,6 +67,9 @@ __all__ = ["grad_sync"]
 
 MODES = ("auto", "dp", "tp", "fsdp")
 
+#: a context manager factory the real step runs in (see the module's docstring)
+Timing = Callable[[], AbstractContextManager[Any]]
+
 
 def grad_sync(
     model: nn.Module,
@@ -69,6 +77,7 @@ def grad_sync(
     *args: Any,
     group: mx.distributed.Group | None = None,
     mode: str = "auto",
+    timing: Timing = nullcontext,
 ) -> list[GradSample]:
     """Each trainable parameter's gradient on this rank before and after sync.
 
@@ -81,6 +90,8 @@ def grad_sync(
         group: the group; ``mx.distributed.init()`` when ``None``.
         mode: ``dp``, ``tp``, ``fsdp`` or ``auto`` (``fsdp`` when the model contains
             a ``FullyShardedModule``, ``tp`` when it has sharded layers, else ``dp``).
+        timing: the real step (the synchronised pass) runs in ``with timing():``,
+            e.g. a :func:`~.profile.recording` that times its collectives.
 
     Returns:
         One :class:`~mlx_nbdist.results.GradSample` per trainable parameter, in
@@ -100,7 +111,7 @@ def grad_sync(
     step = {"dp": _dp_step, "tp": _tp_step, "fsdp": _fsdp_step}[mode]
     saved = model.parameters()
     try:
-        before, after, sync, per_step = step(model, loss_fn, args, group, specs)
+        before, after, sync, per_step = step(model, loss_fn, args, group, specs, timing)
         mx.eval(before, after)
     finally:
         model.update(saved)  # a failed pass must not leave unevaluable arrays behind
@@ -140,12 +151,14 @@ def _grads(model: nn.Module, loss_fn: Callable[..., mx.array], args: tuple) -> d
 
 def _dp_step(
     model: nn.Module, loss_fn: Callable[..., mx.array], args: tuple,
-    group: mx.distributed.Group, specs: dict[str, ParamSpec],
+    group: mx.distributed.Group, specs: dict[str, ParamSpec], timing: Timing,
 ) -> _Step:
-    grads = _grads(model, loss_fn, args)
-    mx.eval(grads)
-    averaged = dict(tree_flatten(nn.average_gradients(
-        tree_unflatten(list(grads.items())), group=group)))
+    with timing():  # the step as training runs it: this rank's gradient, then the average
+        grads = _grads(model, loss_fn, args)
+        mx.eval(grads)
+        averaged = dict(tree_flatten(nn.average_gradients(
+            tree_unflatten(list(grads.items())), group=group)))
+        mx.eval(averaged)
     n = group.size()
     sync = {
         p: (f"all_sum / {n} (average_gradients)", g.nbytes) if n > 1 else ("none (1 rank)", 0)
@@ -156,13 +169,13 @@ def _dp_step(
 
 def _tp_step(
     model: nn.Module, loss_fn: Callable[..., mx.array], args: tuple,
-    group: mx.distributed.Group, specs: dict[str, ParamSpec],
+    group: mx.distributed.Group, specs: dict[str, ParamSpec], timing: Timing,
 ) -> _Step:
     with _sum_gradients(lambda original: lambda g: _identity):
         before = _grads(model, loss_fn, args)
         mx.eval(before)
     recorded: list[int] = []
-    with _sum_gradients(lambda original: _recording(original, recorded)):
+    with _sum_gradients(lambda original: _recording(original, recorded)), timing():
         after = _grads(model, loss_fn, args)
         mx.eval(after)
     step = step_collective_text(len(recorded), sum(recorded))
@@ -228,7 +241,7 @@ def _recording(original: Callable, sink: list[int]) -> Callable:
 
 def _fsdp_step(
     model: nn.Module, loss_fn: Callable[..., mx.array], args: tuple,
-    group: mx.distributed.Group, specs: dict[str, ParamSpec],
+    group: mx.distributed.Group, specs: dict[str, ParamSpec], timing: Timing,
 ) -> _Step:
     if not has_sum_scatter(group):
         raise RuntimeError(f"grad_sync(mode='fsdp'): {NO_SUM_SCATTER}")
@@ -243,7 +256,9 @@ def _fsdp_step(
     finally:
         for w, fn in zip(wrappers, saved, strict=True):
             _mlx.set_gather_fn(w, fn)
-    after = _grads(model, loss_fn, args)
+    with timing():
+        after = _grads(model, loss_fn, args)
+        mx.eval(after)
     n = group.size()
     sync = {}
     for path, g in after.items():

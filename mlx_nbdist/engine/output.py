@@ -166,9 +166,9 @@ class _Hub:
 
     def forward_pipes(self) -> None:
         """Before a write from Python: forward what the pipes hold, so text that a
-        subprocess or a forked child wrote before comes first (not on the reader)."""
+        subprocess or a forked child wrote before comes first."""
         reader = self.reader
-        if reader is not None and reader.ident != threading.get_ident():
+        if reader is not None:
             reader.drain(timeout=1.0, final=False)
 
     def write(self, stream: OrderedStream, text: str) -> None:
@@ -329,7 +329,7 @@ class OrderedStream(io.TextIOBase):
             self._flush_out()
             return
         reader = self._hub.reader
-        if reader is not None and reader.ident != threading.get_ident():
+        if reader is not None:
             reader.drain(timeout=1.0, final=False)  # before our lock: the reader's order
         with self._hub.lock:
             self._flush_out()
@@ -536,6 +536,8 @@ class _Reader(threading.Thread):
         super().__init__(name="mlx_nbdist-output", daemon=True)
         self.captures = captures
         self.lock = threading.Lock()
+        #: the thread that holds ``lock`` (forwarding): its own writes must not wait
+        self.holder: int | None = None
         self._stop_now = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -564,10 +566,13 @@ class _Reader(threading.Thread):
                             os.read(self._wake_r, 4096)
                         continue
                     with self.lock:
+                        self.holder = self.ident
                         try:
                             capture.pump(_PIPE_SIZE)
                         except Exception:  # noqa: BLE001 - this thread must not die
                             pass
+                        finally:
+                            self.holder = None
                     if capture.eof:
                         with contextlib.suppress(Exception):
                             sel.unregister(capture.r)
@@ -583,8 +588,12 @@ class _Reader(threading.Thread):
     def drain(self, timeout: float = 5.0, final: bool = True) -> bool:
         """Forward everything the pipes hold now (``final``: and an incomplete
         character at their end, as U+FFFD); ``False`` if the reader was stuck."""
+        me = threading.get_ident()
+        if self.holder == me:  # a write made while this thread forwards: in order already
+            return True
         if not self.lock.acquire(timeout=timeout):
             return False
+        self.holder = me
         try:
             for c in self.captures:
                 try:
@@ -594,6 +603,7 @@ class _Reader(threading.Thread):
                 except Exception:  # noqa: BLE001
                     pass
         finally:
+            self.holder = None
             self.lock.release()
         return True
 

@@ -28,18 +28,22 @@ Times are this rank's wall clock (``time.time_ns`` at the cell's start) advanced
 clocks with offsets it estimates from :func:`clock_ns` round trips.
 
 With the recorder off (``Tracker.recorder is None``, every unprofiled cell) the
-wrapper pays one attribute test. :func:`probe_bandwidth` measures what this backend
-moves for a small ``all_sum``, the reference the notebook compares collectives with.
+wrapper pays one attribute test. :func:`recording` times a window inside a call rather
+than a whole cell (``gradsync`` times the synchronising step it runs this way).
+:func:`probe_bandwidth` measures what this backend moves for a small ``all_sum``, the
+reference the notebook compares collectives with.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..results import CollectiveRecord
+    from .tracker import Tracker
 
 #: events kept per rank and cell; later ones are counted in ``dropped``, not kept
 MAX_EVENTS = 50_000
@@ -70,6 +74,7 @@ class Recorder:
         self._wall0 = 0
         self._perf0 = 0
         self.start_ns = 0
+        self._end_ns: int | None = None
 
     def begin(self, cell: int) -> None:
         """Start recording ``cell``: its start time is now."""
@@ -79,6 +84,11 @@ class Recorder:
         self._wall0 = time.time_ns()
         self._perf0 = time.perf_counter_ns()
         self.start_ns = self._wall0
+        self._end_ns = None
+
+    def end(self) -> None:
+        """Stop the clock: :meth:`finish` reports now as the end (default: its own call)."""
+        self._end_ns = self.now_ns()
 
     def now_ns(self) -> int:
         """This rank's wall clock at the cell's start, advanced by the monotonic clock."""
@@ -146,10 +156,25 @@ class Recorder:
             "cell": self.cell,
             "status": status,
             "start_ns": self.start_ns,
-            "end_ns": self.now_ns(),
+            "end_ns": self.now_ns() if self._end_ns is None else self._end_ns,
             "events": self.events,
             "dropped": self.dropped,
         }
+
+
+@contextmanager
+def recording(recorder: Recorder, tracker: Tracker) -> Iterator[Recorder]:
+    """Time the collectives issued in the block with ``recorder``: it is installed on
+    ``tracker`` for the block (the one before is put back after), begins at the block's
+    start (keeping its ``cell``) and ends at its end. For a window inside a call, such as
+    the synchronising step of ``gradsync``; a profiled cell is recorded by :mod:`.cells`."""
+    recorder.begin(recorder.cell)
+    previous, tracker.recorder = tracker.recorder, recorder
+    try:
+        yield recorder
+    finally:
+        tracker.recorder = previous
+        recorder.end()
 
 
 def _in_transform(e: BaseException) -> bool:

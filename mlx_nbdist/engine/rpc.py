@@ -235,9 +235,12 @@ def is_quantized_layer(expr: str) -> bool:
     return hasattr(mod, "scales") and hasattr(mod, "bits")
 
 
-def grad_samples(name: str, step: str, mode: str) -> list[dict[str, Any]]:
-    """GradSamples (as dicts) of one step whose loss is the expression ``step``."""
+def grad_samples(name: str, step: str, mode: str) -> dict[str, Any]:
+    """One step whose loss is the expression ``step``: ``samples``, the GradSamples as
+    dicts, and ``profile``, the step's timed collectives (a
+    :class:`~.profile.Recorder`'s record, as a profiled cell publishes it)."""
     from .gradsync import grad_sync
+    from .profile import Recorder, recording
 
     ns = _ns()
     _, rest = _resolve(name)
@@ -245,8 +248,12 @@ def grad_samples(name: str, step: str, mode: str) -> list[dict[str, Any]]:
         raise ValueError(f"gradsync takes a model name, not a path: {name!r}")
     model = _model_of(name, "gradsync")
     loss_fn = eval(f"lambda {name}: ({step})", ns)  # noqa: S307 - the user's own expression
-    return [asdict(s) for s in grad_sync(model, loss_fn, group=state.current().world,
-                                         mode=mode)]
+    st = state.current()
+    recorder = Recorder(st.rank, st.size, st.tracker.backend)
+    recorder.cell = st.tracker.cell
+    samples = grad_sync(model, loss_fn, group=st.world, mode=mode,
+                        timing=lambda: recording(recorder, st.tracker))
+    return {"samples": [asdict(s) for s in samples], "profile": recorder.finish("ok")}
 
 
 def checksums(name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:

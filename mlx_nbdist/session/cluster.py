@@ -63,7 +63,10 @@ class Cluster:
             cluster_id=self.session_id,
             profile_dir=str(self.directory / "profile"),
             controller_ip=controller_ip,
-            controller_args=["--ping=1000"],
+            controller_args=[
+                f"--ping={config.HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={config.HEARTBEAT_MISSES}",
+            ],
             delay=0.1,
             log_level=40,
             shutdown_atexit=True,
@@ -289,6 +292,9 @@ class Cluster:
             c_started = next((t for p, t in pids if p == cpid), None)
             if end_first is not None:
                 end_first()
+            # the engines first, while the controller still takes their goodbye: they
+            # exit in a fraction of a second then, and wait seconds when it is stopping
+            processes.end_pids([p for p in pids if p[0] in rank_pids])
             try:
                 self.ipp.stop_cluster_sync()
             except KeyboardInterrupt as e:

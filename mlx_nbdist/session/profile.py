@@ -6,7 +6,10 @@ the first profiled cell of a started session it measures, once, each rank's cloc
 offset (0 for ranks on this machine: they read the same clock) and the backend's
 bandwidth for a small ``all_sum`` (:func:`mlx_nbdist.engine.profile.probe_bandwidth`).
 After each profiled cell it takes the records the ranks published with the cell's
-reply. The last :data:`KEEP` profiled cells are kept; a restart forgets them.
+reply, with the cell's name (``In [7]``, from ``group.sources``) so that timelines and
+traces name cells as the user sees them. The last :data:`KEEP` profiled cells are
+kept; a restart forgets them. :meth:`Profiles.window` turns records of a window timed
+inside a call (``gradsync``'s step) into statistics against the same probe.
 """
 
 from __future__ import annotations
@@ -105,13 +108,14 @@ class Profiles:
         how many ranks sent a record."""
         self._follow()
         got: dict[int, dict[str, Any]] = {}
+        name = self._name_of(cell)
         for r, fut in futures.items():
             try:
                 data = (fut.output.metadata["data"] or {}).get(PROFILE_KEY)
             except Exception:  # noqa: BLE001 - no output metadata (a dead rank): no record
                 data = None
             if data and int(data.get("cell", -1)) == cell:
-                got[int(r)] = data
+                got[int(r)] = {**data, "name": name} if name else data
         if got:
             self.cells.append(got)
         return len(got)
@@ -130,7 +134,21 @@ class Profiles:
         """Per-op and per-rank statistics of the collectives of the last ``k`` cells."""
         return self.timeline(k).stats
 
+    def window(self, records: Mapping[int, Mapping[str, Any]]) -> CellTimeline:
+        """The timeline of one window the ranks timed inside a call (each rank's
+        :func:`~mlx_nbdist.engine.profile.recording` record), with the clock offsets
+        and the probed bandwidth (measured first if need be: :meth:`prepare`); it is
+        not kept among the profiled cells."""
+        self.prepare()
+        return build([dict(records)], self.offsets, self.probe_gbps, str(self.session.backend))
+
     # -- helpers -------------------------------------------------------------------------
+    def _name_of(self, cell: int) -> str:
+        """The cell's name as the session keeps it (``In [7]``); empty when unknown."""
+        group = getattr(self.session, "group", None)
+        source = getattr(group, "sources", {}).get(cell)
+        return str(source[0]) if source else ""
+
     def _follow(self) -> None:
         """Forget everything when the session was (re)started since: new engines."""
         sid = self.session.session_id

@@ -367,12 +367,15 @@ class Dashboard:
     def _show_comm(self, s: Any) -> None:
         """The last profiled cell's summary (recomputed only when a new one arrived)."""
         profiles = getattr(s, "profiles", None)
-        key = (s.session_id or "", len(profiles.cells) if profiles is not None else 0)
+        last = profiles.cells[-1] if profiles is not None and profiles.cells else None
+        # the newest cell's number: the kept list stops growing at its limit
+        key = (s.session_id or "", min((r.get("cell", 0) for r in last.values()), default=0)
+               if last else 0, len(profiles.cells) if profiles is not None else 0)
         if key == self._comm_seen:
             return
         self._comm_seen = key
         text = ""
-        if key[1]:
+        if last:
             try:
                 text = s.timeline(1).summary()
             except Exception:  # noqa: BLE001 - a display must never break the dashboard

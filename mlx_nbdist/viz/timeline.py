@@ -49,7 +49,8 @@ def timeline_figure(tl: CellTimeline, width: float = 10.0) -> NotebookFigure:
 
     Returns:
         The figure; its segment bars have gids ``"<kind>:r<rank>"`` and the marks
-        ``"waited-for:r<rank>"`` / ``"slowest:r<rank>"``.
+        ``"waited-for:r<rank>"`` / ``"slowest:r<rank>"``; with several cells, each
+        cell's label (its name, ``In [7]``, else ``cell N``) has gid ``"cell:<N>"``.
     """
     fig = NotebookFigure(figsize=(width, 1.6 + 0.55 * len(tl.ranks)), layout="constrained")
     ax = fig.add_subplot()
@@ -97,7 +98,8 @@ def _draw_lanes(ax: Axes, tl: CellTimeline) -> None:
 
 
 def _draw_cells(ax: Axes, tl: CellTimeline) -> None:
-    """A dashed line at each cell's start (earliest over the ranks), labelled."""
+    """A dashed line at each cell's start (earliest over the ranks), labelled with the
+    cell's name (``In [7]``, else ``cell N``)."""
     if len(tl.cells) < 2:
         return
     starts: dict[int, float] = {}
@@ -108,8 +110,9 @@ def _draw_cells(ax: Axes, tl: CellTimeline) -> None:
     for i, (number, start) in enumerate(sorted(starts.items(), key=lambda kv: kv[1])):
         ax.axvline(start * 1e3, color="0.55", linestyle="--", linewidth=0.6, zorder=0)
         if i % every == 0:
-            ax.text(start * 1e3, len(tl.ranks) - 0.35, f" cell {number}", fontsize=6,
-                    color="0.35", va="bottom")
+            label = ax.text(start * 1e3, len(tl.ranks) - 0.35, f" {tl.label(number)}",
+                            fontsize=6, color="0.35", va="bottom")
+            label.set_gid(f"cell:{number}")
 
 
 def _mark(ax: Axes, tl: CellTimeline) -> None:
