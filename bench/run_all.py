@@ -14,7 +14,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import collectives  # noqa: E402
+import dashboard_cost  # noqa: E402
+import decode  # noqa: E402
 import live_output  # noqa: E402
+import restart  # noqa: E402
 import roundtrip  # noqa: E402
 import slices  # noqa: E402
 import startup  # noqa: E402
@@ -30,6 +33,9 @@ BENCHES = {
     "tp_step": tp_step,
     "live_output": live_output,
     "trace_cost": trace_cost,
+    "restart": restart,
+    "decode": decode,
+    "dashboard_cost": dashboard_cost,
 }
 DOC = Path(__file__).parent.parent / "docs" / "performance.md"
 
@@ -177,6 +183,103 @@ def section_trace_cost(d: dict) -> list[str]:
     return out + [""]
 
 
+def section_restart(d: dict) -> list[str]:
+    out = ["## Restart after an undrainable failure (2 ranks)", "",
+           "Rank 1's process exits in a cell (the session is broken); from there to a "
+           "correct `all_sum` on every rank.", "",
+           "| path | median | p95 | runs |", "|---|---|---|---|"]
+    for name, st in d.items():
+        out.append(f"| {name} | {st['median']:.2f} s | {st['p95']:.2f} s | {st['n']} |")
+    return out + [""]
+
+
+def section_decode(d: dict) -> list[str]:
+    out = ["## Transformer decode (2 ranks, tiny qwen2, greedy, 64 tokens)", "",
+           "Decode tokens/s in a `%%mlxdist` cell (`mlx_nbdist.shard` + `mlx_nbdist.generate`) "
+           "against the same model in a plain script (ranks started directly, sharded by "
+           "mlx-lm's own `shard` / `pipeline`, mlx-lm's `generate_step`); the tokens agree.", "",
+           "| model | cell (median, min-max) | script (median, min-max) | cell / script |",
+           "|---|---|---|---|"]
+    for mode, row in d.items():
+        c, p = row["cell"], row["script"]
+        out.append(f"| {mode} | {c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f}) tok/s | "
+                   f"{p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f}) tok/s | "
+                   f"{row['ratio']:.3f}x |")
+    return out + [""]
+
+
+def section_dashboard(d: dict) -> list[str]:
+    out = ["## An open dashboard (through a real kernel, 2 ranks)", "",
+           "The same cells with the dashboard closed and open (polling every 0.5 s), in "
+           "alternating blocks; execute_request to execute_reply at the front end.", "",
+           "| cell | closed (median / p95) | open (median / p95) | open / closed |",
+           "|---|---|---|---|"]
+    for what, row in d.items():
+        c, o = row["closed"], row["open"]
+        out.append(f"| {what} | {ms(c['median'])} / {ms(c['p95'])} | "
+                   f"{ms(o['median'])} / {ms(o['p95'])} | {row['ratio']:.3f}x |")
+    return out + [""]
+
+
+def _goal(rows: list[list[str]], goal: str, value: float | None, limit: float, fmt: str,
+          noise: str, lower_is_better: bool = True) -> None:
+    if value is None:
+        rows.append([goal, "not measured", "-", "-"])
+        return
+    met = value <= limit if lower_is_better else value >= limit
+    rows.append([goal, fmt.format(value), "met" if met else "**not met**", noise])
+
+
+def section_goals(results: dict) -> list[str]:
+    """Issue #19's goals against the measured numbers."""
+    rows: list[list[str]] = []
+    rt = results.get("roundtrip", {})
+    for ranks in ("2 ranks", "4 ranks"):
+        r = rt.get(ranks)
+        v = n = None
+        if r:
+            px = r["%%px (ipyparallel)"]
+            m = r["%%mlxdist (magic)"]
+            v, n = m["median"] / px["median"], f"p95 {m['p95'] / px['p95']:.2f}x"
+        _goal(rows, f"round trip, magic vs `%%px`, {ranks}", v, 1.00, "{:.2f}x", n or "-")
+    lo = results.get("live_output", {}).get("latency", {})
+    for cadence in ("every 0.2 s, flush=True", "every 0.02 s, flush=True"):
+        st = (lo.get(cadence) or {}).get("%%mlxdist")
+        _goal(rows, f"live output latency / round trip ({cadence})",
+              st["of own round trip"] if st else None, 2.0, "{:.2f}x",
+              f"p95 {ms(st['p95'])}" if st else "-")
+    rs = results.get("restart", {})
+    ours = rs.get("Session.restart() after a rank died + first all_sum")
+    _goal(rows, "restart (2 ranks) to the first correct all_sum", ours and ours["median"], 1.5,
+          "{:.2f} s", f"p95 {ours['p95']:.2f} s" if ours else "-")
+    su = results.get("startup", {}).get("2 ranks", {})
+    if su:
+        a, b = su["%mlxdist start + first all_sum"], su["mlx.launch empty script"]
+        _goal(rows, "`%mlxdist start` vs `mlx.launch` of an empty script (2 ranks)",
+              a["median"] / b["median"], 2.0, "{:.2f}x", f"p95 {a['p95'] / b['p95']:.2f}x")
+    tp = results.get("tp_step", {})
+    one, two = tp.get("1 rank, unsharded"), tp.get("2 ranks, Megatron")
+    _goal(rows, "TP step on 2 ranks / 1-rank step",
+          two["step"]["median"] / one["step"]["median"] if one and two else None, 0.55,
+          "{:.3f}x", f"p95 {two['step']['p95'] / one['step']['p95']:.3f}x" if one and two else "-")
+    for mode, row in results.get("decode", {}).items():
+        _goal(rows, f"decode tokens/s, cell vs script ({mode})", row["ratio"], 0.95, "{:.3f}x",
+              f"cell {row['cell']['min']:.0f}-{row['cell']['max']:.0f}, script "
+              f"{row['script']['min']:.0f}-{row['script']['max']:.0f} tok/s",
+              lower_is_better=False)
+    for what, row in results.get("dashboard_cost", {}).items():
+        _goal(rows, f"open dashboard, {what}", (row["ratio"] - 1) * 100, 1.0, "{:+.1f} %",
+              f"p95 {row['open']['p95'] / row['closed']['p95']:.3f}x")
+    sl = results.get("slices", {}).get("slices(), shared-memory pool")
+    _goal(rows, "slices of 2 x 64 MB vs memcpy into new memory",
+          sl and sl["of memcpy"], 0.75, "{:.2f}x", f"p95 {ms(sl['p95'])}" if sl else "-",
+          lower_is_better=False)
+    out = ["## Goals (issue #19)", "",
+           "| goal | measured (median) | | noise |", "|---|---|---|---|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
 SECTIONS = {
     "roundtrip": section_roundtrip,
     "collectives": section_collectives,
@@ -185,6 +288,9 @@ SECTIONS = {
     "tp_step": section_tp,
     "live_output": section_live_output,
     "trace_cost": section_trace_cost,
+    "restart": section_restart,
+    "decode": section_decode,
+    "dashboard_cost": section_dashboard,
 }
 
 
@@ -194,6 +300,7 @@ def write_doc(results: dict, info: dict, notes: str) -> None:
              "one run on the same machine. Numbers are medians unless marked.", "",
              "| machine | |", "|---|---|"]  # date: when each section was last measured
     lines += [f"| {k} | {v} |" for k, v in info.items()] + [""]
+    lines += section_goals(results)
     for name, fn in SECTIONS.items():
         if name in results:
             lines += fn(results[name])

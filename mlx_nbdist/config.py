@@ -68,7 +68,9 @@ MAX_RANKS = 64
 #: second beat after it registered, so this is most of a start's wait
 HEARTBEAT_MS = 100
 #: beats an engine may miss before the controller drops it (HEARTBEAT_MS x this:
-#: 11 s, as ipyparallel's 1 s default period with its 10 misses gave)
+#: 11 s, as a 1 s period with ipyparallel's default of 10 misses gave). An engine
+#: checks for the pings every HEARTBEAT_MS + 500 ms and stops itself after 50 checks
+#: without one (30 s) once its controller is gone
 HEARTBEAT_MISSES = 110
 
 #: how often each rank publishes its state (its status file) while it runs, seconds

@@ -205,6 +205,7 @@ class Session:
         #: what ran on the ranks since the last (re)start, in order: what :meth:`export`
         #: writes (cells, added by :meth:`run`; notebook commands, by :meth:`record`)
         self.history: list[Entry] = []
+        self._views: dict[tuple[int, tuple[int, ...]], Any] = {}
 
     # -- what it is now ------------------------------------------------------------------
     @property
@@ -367,6 +368,7 @@ class Session:
             if cluster is not None:
                 discard(f"mlxnb-{cluster.session_id}")  # slices never pulled
             self.receiver.close()  # pulled arrays keep their own segments
+            self._views = {}
             self.cluster = None  # the group stays: who ran where, what they wrote
 
     def __enter__(self) -> Session:
@@ -527,8 +529,18 @@ class Session:
         return out
 
     def view(self, ranks: list[int]) -> Any:
-        """ipyparallel's view of these ranks' engines (for what the session does not wrap)."""
-        return self.client[[self.ranks[r].engine_id for r in ranks]]
+        """ipyparallel's view of these ranks' engines (for what the session does not wrap).
+
+        Made once per client and set of engines (a new view costs about as much as a
+        tenth of a trivial cell's round trip)."""
+        client = self.client
+        key = (id(client), tuple(self.ranks[r].engine_id for r in ranks))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = client[list(key[1])]
+        return view
 
     def _deadline(self, timeout: Any) -> float | None:
         """The cell's deadline: the session's for ``DEFAULT``; refuses nonsense."""
@@ -543,10 +555,12 @@ class Session:
         on_tick: Callable[[], None] | None = None,
         on_poll: Callable[[], None] | None = None,
         wake: threading.Event | None = None,
+        group: RankGroup | None = None,
     ) -> tuple[dict[int, Any], CellResult, Outcome]:
         """Send one cell or apply to ``targets`` and supervise it to the end: the one
-        path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says."""
-        group = self._require()
+        path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says.
+        ``group``: what the caller's :meth:`_require` just returned (checked once)."""
+        group = group if group is not None else self._require()
         self._cell += 1
         meta = {**meta, "cell": self._cell, "ranks": targets}
         t0 = time.monotonic()
@@ -718,7 +732,7 @@ class Session:
                 meta["profile"] = True
             try:
                 _, result, _ = self._dispatch(
-                    targets, send, meta, deadline, on_tick, deliver, streams.changed
+                    targets, send, meta, deadline, on_tick, deliver, streams.changed, group
                 )
             except CellError as e:
                 _attach_items(e.result, streams)
@@ -749,13 +763,13 @@ class Session:
         """
         deadline = self._deadline(timeout)
         with self._run_lock:
-            self._require()
+            group = self._require()
             targets = self.resolve_ranks(ranks)
 
             def send(view: Any, meta: dict[str, Any]) -> Any:
                 return view.apply_async(rpc.call, meta, fn, *args, **kwargs)
 
-            futures, _, outcome = self._dispatch(targets, send, {}, deadline)
+            futures, _, outcome = self._dispatch(targets, send, {}, deadline, group=group)
             return {
                 r: f.result()
                 for r, f in futures.items()
