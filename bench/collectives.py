@@ -7,9 +7,7 @@ script started by ``mlx.launch`` (ring) or ``mpirun`` (mpi). GB/s = bytes / medi
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import bin_path, run_script
+from common import run_ranks_directly, bin_path, run_script
 
 from mlx_nbdist import Session
 
@@ -112,9 +110,7 @@ def plain_script(backend: str) -> dict[int, float]:
 
 
 def direct_ring_script() -> dict[int, float]:
-    """The same script, both ranks started directly with the environment ``mlx.launch``
-    gives them (hostfile, rank): ``mlx.launch`` itself busy-polls its children's pipes
-    (measured: 105 % CPU while its ranks sleep), which on two cores slows the ranks."""
+    """The same script, both ranks started directly (see ``run_ranks_directly``)."""
     from mlx_nbdist.engine.rpc import free_ports
 
     with tempfile.TemporaryDirectory() as d:
@@ -122,20 +118,7 @@ def direct_ring_script() -> dict[int, float]:
         script.write_text(SCRIPT.format(sizes=_sizes()))
         hostfile = Path(d) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * 2)]))
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
-        procs = [subprocess.Popen([sys.executable, str(script), "ring"], text=True,
-                                  env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for r in range(2)]  # fmt: skip
-        try:
-            outs = [p.communicate(timeout=300) for p in procs]
-        finally:
-            for p in procs:  # only ours, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError("direct ring script failed:\n" + "\n".join(e for _, e in outs))
-        return _parse(outs[0][0])
+        return _parse(run_ranks_directly(script, ["ring"], hostfile)[0])
 
 
 def mpi4py_allreduce() -> dict[int, float]:

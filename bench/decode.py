@@ -15,13 +15,10 @@ to the last), the same measure on both sides; the tokens must agree.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import stats
+from common import run_ranks_directly, stats
 
 from mlx_nbdist import Session
 
@@ -100,20 +97,8 @@ def direct_script(mode: str) -> dict:
         script.write_text(SCRIPT.format(tokens=TOKENS, reps=REPS))
         hostfile = Path(d) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * 2)]))
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": "2"}
-        procs = [subprocess.Popen([sys.executable, str(script), mode], text=True,
-                                  env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for r in range(2)]  # fmt: skip
-        try:
-            outs = [p.communicate(timeout=600) for p in procs]
-        finally:
-            for p in procs:  # only ours, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"decode script ({mode}) failed:\n" + "\n".join(e for _, e in outs))
-        line = next(x for x in outs[0][0].splitlines() if x.startswith("RESULT "))
+        out = run_ranks_directly(script, [mode], hostfile)[0]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         return json.loads(line[len("RESULT "):])
 
 
