@@ -367,7 +367,7 @@ class MLXDist(Magics):
     def _cmd_timeline(self, args: argparse.Namespace) -> Any:
         from .viz import format_timeline
 
-        tl = self._guard(lambda: self._session().timeline(args.k))
+        tl = self._guard(_usage("timeline", lambda: self._session().timeline(args.k)))
         if args.text:
             print(format_timeline(tl))
             return None
@@ -375,7 +375,7 @@ class MLXDist(Magics):
         return tl.figure()
 
     def _cmd_trace(self, args: argparse.Namespace) -> None:
-        path = self._guard(lambda: self._session().trace(args.path, args.k))
+        path = self._guard(_usage("trace", lambda: self._session().trace(args.path, args.k)))
         print(f"wrote {path}: open it in https://ui.perfetto.dev or chrome://tracing")
 
     def _cmd_where(self, args: argparse.Namespace) -> None:
@@ -521,6 +521,19 @@ class MLXDist(Magics):
             return fn(*a)
         except (SetupError, ShardingError, CheckpointError, NoProfileError, ExportError) as e:
             raise UsageError(str(e)) from None
+
+
+def _usage(command: str, fn: Any) -> Any:
+    """``fn`` with a bad argument (``ValueError``) or an unwritable path (``OSError``)
+    turned into the one-line error of ``%mlxdist COMMAND``."""
+
+    def call() -> Any:
+        try:
+            return fn()
+        except (ValueError, OSError) as e:
+            raise UsageError(f"%mlxdist {command}: {e}") from None
+
+    return call
 
 
 def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0) -> str:

@@ -275,7 +275,8 @@ def run_file(path: str | os.PathLike[str], n: int, backend: str | None = None, *
     try:
         session.apply(os.chdir, os.getcwd())
         try:
-            session.run(code, on_output=printer, name=str(p))
+            # a script's last expression is not shown, as under mlx.launch (a cell's is)
+            session.run(code + "\npass\n", on_output=printer, name=str(p))
         except CellError as e:
             printer.close()
             _report(e, p, n, err)

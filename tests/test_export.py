@@ -405,6 +405,16 @@ def launch(path: Path, n: int, *, mlx_launch: bool = False, cwd: Path | None = N
                           cwd=cwd or path.parent)
 
 
+def test_run_does_not_show_the_scripts_last_value(tmp_path):
+    """A script's last bare expression is not shown, as under mlx.launch (e.g. an
+    export ending with ``save_checkpoint(...)``, whose value is the index)."""
+    path = tmp_path / "last.py"
+    path.write_text("print('line', 6 * 7)\n'the-last-value-' + str(size)\n")
+    done = launch(path, 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "line 42" in done.stdout and "the-last-value" not in done.stdout, done.stdout
+
+
 def test_mlx_launch_runs_the_script_to_the_same_numbers(exported, session2):
     path, expected = exported
     session2.stop()  # the ranks of both launchers get the cores

@@ -98,6 +98,17 @@ def test_start_cell_status_and_errors(ip, capfd) -> None:
     res, out, err = run(ip, "%%mlxdist --ranks 0,7\n1", capfd)
     assert isinstance(res.error_in_exec, UsageError) and "0..1" in out + err
 
+    res, out, _ = run(ip, "%%mlxdist --profile\nmx.eval(mx.distributed.all_sum(mx.ones(2)))", capfd)
+    assert res.success, out
+    for line, expected in (
+        ("%mlxdist timeline 40", "%mlxdist timeline: k=40: there is 1 profiled cell(s)"),
+        ("%mlxdist trace /nonexistent-dir/t.json", "%mlxdist trace: "),
+        ("%mlxdist trace t.json -k 9", "k must be a whole number from 1 to 1"),
+    ):
+        res, out, err = run(ip, line, capfd)
+        assert isinstance(res.error_in_exec, UsageError), (line, out, err)
+        assert expected in out + err and "Traceback" not in out + err, (line, out + err)
+
     res, out, _ = run(ip, "%mlxdist stop", capfd)
     assert "stopped" in out
     res, out, err = run(ip, "%%mlxdist\n1", capfd)

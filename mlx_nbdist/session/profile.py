@@ -172,7 +172,7 @@ class Profiles:
             )
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(self.cells):
             raise ValueError(
-                f"{what} k={k!r}: there {'is' if len(self.cells) == 1 else 'are'} "
+                f"k={k!r}: there {'is' if len(self.cells) == 1 else 'are'} "
                 f"{len(self.cells)} profiled cell(s) kept (the last {self.cells.maxlen}); "
                 f"k must be a whole number from 1 to {len(self.cells)}"
             )
