@@ -2,7 +2,9 @@
 
 A cell in which rank 1's process exits (``os._exit``) leaves the session broken; the
 clock runs from there: ``Session.restart()`` (what ``%mlxdist restart`` calls) and a
-cell whose ``all_sum`` of ones must equal the number of ranks on every rank. Against:
+cell whose ``all_sum`` of ones must equal the number of ranks on every rank. By
+default the restart forms the group on the session's spare engines (started while it
+ran, see mlx_nbdist.session.spare); ``spare=False`` starts new engines. Against:
 a bare ipyparallel cluster in the same state, ``Cluster.restart_engines`` (what a
 ``%%px`` user has), waiting for the new engines, then ``mx.distributed.init`` and the
 same ``all_sum``; and a fresh ``%mlxdist start`` (for reference: a restart need not
@@ -16,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from common import stats
 
 from mlx_nbdist import Session, runtime
@@ -33,16 +36,29 @@ def _check(values: list[str]) -> None:
         raise RuntimeError(f"all_sum of ones on {N} ranks gave {values}")
 
 
-def ours(reps: int) -> tuple[list[float], list[float]]:
-    """(restart times, fresh start times) of one session."""
+def _wait_spare(s: Session, timeout: float = 120.0) -> None:
+    t_end = time.monotonic() + timeout
+    while s.spare_state != "ready":
+        if time.monotonic() > t_end:
+            raise RuntimeError(f"the spare is still {s.spare_state!r} after {timeout:g} s")
+        time.sleep(0.05)
+
+
+def ours(reps: int, spare: bool = True) -> tuple[list[float], list[float]]:
+    """(restart times, fresh start times) of one session. With ``spare``, each
+    restart starts once the spare is up (a user reads the error first: the spare
+    is ready 2-4 s after a start or restart here); without, every restart starts
+    its engines."""
     restarts, starts = [], []
-    s = Session(N, timeout=120)
+    s = Session(N, timeout=120, spare=spare)
     try:
         t0 = time.perf_counter()
         s.start()
         _check([s.run(CHECK).ranks[r].result_text for r in range(N)])
         starts.append(time.perf_counter() - t0)
         for _ in range(reps):
+            if spare:
+                _wait_spare(s)
             try:
                 s.run(DIE, timeout=30)
             except CellError:
@@ -103,14 +119,34 @@ def bare(reps: int) -> list[float]:
     return out
 
 
+def idle_cost(seconds: float = 10.0) -> float:
+    """CPU an idle spare's processes (controller, schedulers, engines) use, in % of one
+    core, over ``seconds`` of a session doing nothing."""
+    s = Session(N, timeout=120, spare=True)
+    try:
+        s.start()
+        _wait_spare(s)
+        procs = [psutil.Process(pid) for pid, _ in s._spare.cluster.processes([])]  # noqa: SLF001
+        before = [p.cpu_times() for p in procs]
+        time.sleep(seconds)
+        after = [p.cpu_times() for p in procs]
+    finally:
+        s.stop()
+    used = sum(a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True))
+    return 100.0 * used / seconds
+
+
 def main(reps: int = REPS) -> dict:
+    idle = idle_cost()
     restarts, starts = ours(reps)
+    cold, more_starts = ours(reps, spare=False)
     bare_restarts = bare(reps)
-    _, more_starts = ours(0)
     return {
         "Session.restart() after a rank died + first all_sum": stats(restarts),
+        "the same, spare=False (new engines)": stats(cold),
         "ipyparallel restart_engines + init + all_sum": stats(bare_restarts),
         "fresh %mlxdist start + first all_sum": stats(starts + more_starts),
+        "idle spare, % of one core": idle,
     }
 
 

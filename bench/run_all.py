@@ -186,10 +186,17 @@ def section_trace_cost(d: dict) -> list[str]:
 def section_restart(d: dict) -> list[str]:
     out = ["## Restart after an undrainable failure (2 ranks)", "",
            "Rank 1's process exits in a cell (the session is broken); from there to a "
-           "correct `all_sum` on every rank.", "",
+           "correct `all_sum` on every rank. The first row forms the group on the spare "
+           "engines the session keeps warm (the kill waits until the spare is up, as a user "
+           "reading the error would); the second starts new engines.", "",
            "| path | median | p95 | runs |", "|---|---|---|---|"]
+    idle = d.get("idle spare, % of one core")
     for name, st in d.items():
-        out.append(f"| {name} | {st['median']:.2f} s | {st['p95']:.2f} s | {st['n']} |")
+        if isinstance(st, dict):
+            out.append(f"| {name} | {st['median']:.2f} s | {st['p95']:.2f} s | {st['n']} |")
+    if idle is not None:
+        out += ["", "An idle spare (its controller, schedulers and 2 engines) used "
+                f"{idle:.1f} % of one core over 10 s of a session doing nothing."]
     return out + [""]
 
 

@@ -6,28 +6,32 @@ every rank of one MLX distributed group.
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from .api import comm_stats, current_session, export, start, stop, timeline, trace, where
-from .client.checkpoint import consolidate, read_index, save
-from .client.checkpoint import load as load_checkpoint
-from .client.models import check, gradsync, plan, shard, show, slices
-from .engine.progress import log_scalars, progress
-from .errors import (
-    CellError,
-    CellInterrupted,
-    CheckpointError,
-    CollectiveTimeout,
-    MLXDistError,
-    NotStartedError,
-    SessionBrokenError,
-    SetupError,
-    ShardingError,
-    StartError,
-)
-from .history import ExportError
-from .results import CellResult, RankOutput
-from .session import Session
+if TYPE_CHECKING:  # what the names below are; imported on first use
+    from .api import comm_stats, current_session, export, start, stop, timeline, trace, where
+    from .client.checkpoint import consolidate, read_index, save
+    from .client.checkpoint import load as load_checkpoint
+    from .client.models import check, gradsync, plan, shard, show, slices
+    from .engine.lm import generate, load, lora
+    from .engine.progress import log_scalars, progress
+    from .errors import (
+        CellError,
+        CellInterrupted,
+        CheckpointError,
+        CollectiveTimeout,
+        MLXDistError,
+        NotStartedError,
+        SessionBrokenError,
+        SetupError,
+        ShardingError,
+        StartError,
+    )
+    from .history import ExportError
+    from .results import CellResult, RankOutput
+    from .session import Session
+    from .viz.dashboard import dashboard
 
 __version__ = "0.1.0"
 
@@ -73,21 +77,56 @@ __all__ = [
 ]
 
 
-#: run inside a rank (they load mlx.core and, when called, mlx-lm): imported on use
-_ON_RANKS = {"generate", "load", "lora"}
+#: where each public name lives. Every name is imported on first use: ``import
+#: mlx_nbdist`` (which every rank does) loads neither the notebook side (sessions,
+#: ipyparallel's client, widgets) nor mlx.core, and costs a rank's start nothing
+_WHERE = {
+    **dict.fromkeys(
+        ["comm_stats", "current_session", "export", "start", "stop", "timeline", "trace"],
+        "api",
+    ),
+    "where": "api",
+    **dict.fromkeys(["consolidate", "read_index", "save"], "client.checkpoint"),
+    **dict.fromkeys(["check", "gradsync", "plan", "shard", "show", "slices"], "client.models"),
+    **dict.fromkeys(["log_scalars", "progress"], "engine.progress"),
+    **dict.fromkeys(["generate", "load", "lora"], "engine.lm"),
+    **dict.fromkeys(
+        [
+            "CellError",
+            "CellInterrupted",
+            "CheckpointError",
+            "CollectiveTimeout",
+            "MLXDistError",
+            "NotStartedError",
+            "SessionBrokenError",
+            "SetupError",
+            "ShardingError",
+            "StartError",
+        ],
+        "errors",
+    ),
+    "ExportError": "history",
+    **dict.fromkeys(["CellResult", "RankOutput"], "results"),
+    "Session": "session",
+    "dashboard": "viz.dashboard",
+}
+_RENAMED = {"load_checkpoint": ("client.checkpoint", "load")}
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: `import mlx_nbdist` (also on the ranks) must not load ipywidgets or mlx.core
-    if name == "dashboard":
-        from .viz.dashboard import dashboard
+    if name in _WHERE:
+        module, attr = _WHERE[name], name
+    elif name in _RENAMED:
+        module, attr = _RENAMED[name]
+    else:
+        raise AttributeError(f"module 'mlx_nbdist' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), attr)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
 
-        return dashboard
-    if name in _ON_RANKS:
-        from .engine import lm
 
-        return getattr(lm, name)
-    raise AttributeError(f"module 'mlx_nbdist' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -101,4 +140,6 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    from .api import stop
+
     stop()

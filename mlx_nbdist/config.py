@@ -73,6 +73,13 @@ HEARTBEAT_MS = 100
 #: without one (30 s) once its controller is gone
 HEARTBEAT_MISSES = 110
 
+#: keep a spare set of engines warm for the next restart (``Session(spare=...)``,
+#: ``%mlxdist start --no-spare``): a restart then only forms a group on them
+SPARE = True
+#: seconds after a session is ready (or restarted) before its spare starts, so that
+#: starting it does not compete with the first cells for the CPU
+SPARE_AFTER = 1.0
+
 #: how often each rank publishes its state (its status file) while it runs, seconds
 PUBLISH_INTERVAL = 0.25
 #: a rank whose published state is older than this many intervals shows as hung

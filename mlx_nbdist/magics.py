@@ -120,6 +120,8 @@ def _line_parser() -> _Parser:
     start.add_argument("--controller-ip", dest="controller_ip", default=None,
                        help="address of this machine that the hosts reach")
     start.add_argument("--python", default=None, help="Python interpreter on the hosts")
+    start.add_argument("--no-spare", dest="spare", action="store_false", default=None,
+                       help="keep no spare engines warm for the next restart")
     for name in ("stop", "status", "cleanup", "where"):
         sub.add_parser(name, add_help=False)
     restart = sub.add_parser("restart", add_help=False)
@@ -184,6 +186,13 @@ def _cell_parser() -> _Parser:
     return p
 
 
+@functools.lru_cache(maxsize=64)
+def _cell_args(line: str) -> argparse.Namespace:
+    """The parsed ``%%mlxdist`` line, kept per line (the same line is parsed again
+    and again; a bad one raises each time). Shared: read it, never change it."""
+    return MLXDist._parse(_cell_parser(), line)
+
+
 @magics_class
 class MLXDist(Magics):
     """``%mlxdist`` / ``%%mlxdist``: interactive distributed MLX."""
@@ -204,6 +213,11 @@ class MLXDist(Magics):
     check_collectives = Bool(
         False, help="check op/shape/dtype across ranks before each collective"
     ).tag(config=True)
+    spare = Bool(
+        config.SPARE,
+        help="keep a spare set of engines warm so that %mlxdist restart only forms a group "
+        "(local engines only)",
+    ).tag(config=True)
     policy = Dict(
         help="supervisor timings in seconds, e.g. {'drain_timeout': 5} (see "
         "mlx_nbdist.config.Policy)"
@@ -213,6 +227,9 @@ class MLXDist(Magics):
         help="characters of a cell's output per rank shown in the notebook (0: all); the "
         "rest is kept in a file in the session directory, and a line says where",
     ).tag(config=True)
+
+    #: (the setting, the Policy built from it, that Policy's values) - see _policy
+    _last_policy: tuple[dict[str, Any], config.Policy, dict[str, Any]] | None = None
 
     # -- entry point ----------------------------------------------------------------
     @line_cell_magic
@@ -284,6 +301,7 @@ class MLXDist(Magics):
             timeout=timeout,
             start_timeout=self.start_timeout,
             check_collectives=self.check_collectives,
+            spare=self.spare if args.spare is None else args.spare,
         ))
         session.policy = self._policy()
         s = api.current_session(required=False)
@@ -457,7 +475,7 @@ class MLXDist(Magics):
 
     # -- cell ---------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
-        args = self._parse(_cell_parser(), line)
+        args = _cell_args(line)
         timeout = _config_timeout(self.timeout) if args.timeout is None else args.timeout
         s = self._session()
         try:
@@ -467,10 +485,11 @@ class MLXDist(Magics):
         # in a kernel each rank's output streams into its own area; in a terminal
         # (no front end to update a display) it is printed when the cell ends
         view = None
-        if getattr(self.shell, "kernel", None) is not None:
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        if in_kernel:
             view = LiveOutput(targets, headers=len(targets) > 1, quiet=args.quiet)
         try:
-            with LiveCell(s) as live:
+            with LiveCell(s, mode="widget" if in_kernel else "text") as live:
 
                 result = s.run(
                     cell,
@@ -509,11 +528,20 @@ class MLXDist(Magics):
         return s
 
     def _policy(self) -> config.Policy:
-        """``%config MLXDist.policy`` over the defaults (a bad entry: a UsageError)."""
+        """``%config MLXDist.policy`` over the defaults (a bad entry: a UsageError).
+
+        Built again only when the setting changed (or the last one was changed in
+        place): every cell asks."""
+        changes = self.policy
+        last = self._last_policy
+        if last is not None and last[0] == changes and vars(last[1]) == last[2]:
+            return last[1]
         try:
-            return config.Policy().updated(self.policy)
+            policy = config.Policy().updated(changes)
         except ValueError as e:
             raise UsageError(f"%config MLXDist.{e}") from None
+        self._last_policy = (dict(changes), policy, dict(vars(policy)))
+        return policy
 
     @staticmethod
     def _guard(fn: Any, *a: Any) -> Any:

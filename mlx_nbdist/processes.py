@@ -13,6 +13,7 @@ directories.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -129,11 +130,46 @@ def identity(p: int | psutil.Process) -> tuple[int, float] | None:
 
 
 def running(p: psutil.Process) -> bool:
-    """The process runs and is not a zombie."""
+    """The process runs, is not a zombie, and is the process ``p`` was made for (its
+    start time: a PID the system gave to another process is not it).
+
+    Every cell asks this of every local rank before it is sent: on Linux it is one
+    read of ``/proc/<pid>/stat`` (psutil reads it twice, 0.2 ms a rank: a third of
+    the magic's overhead over ``%%px``); elsewhere, and in portable mode, psutil's.
+    """
+    if _use_proc():
+        try:
+            with open(f"/proc/{p.pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        # after "pid (comm) ": state is field 3, start time (clock ticks) field 22
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] == b"Z":
+            return False
+        try:
+            started = int(fields[19]) / _CLOCK_TICKS + _boot_time()
+            return abs(started - p.create_time()) < 0.05
+        except (IndexError, ValueError, psutil.Error):
+            return False
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _use_proc() -> bool:
+    from .platform import has_proc
+
+    return has_proc()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@functools.cache
+def _boot_time() -> float:
+    return psutil.boot_time()
 
 
 def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:

@@ -37,6 +37,11 @@ from .config import Policy
 from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure, RankStack
 
 _RECV = ("recv", "recv_like")
+#: while a rank's output flows (some arrived in the last FLUSH_WINDOW seconds), the
+#: loop wakes at least every FLUSH_POLL seconds instead of every ``Policy.poll``, so
+#: an update the live view held back (its throttle) is shown when its interval ends
+FLUSH_POLL = 0.005
+FLUSH_WINDOW = 0.25
 
 
 class Ranks(Protocol):
@@ -107,6 +112,7 @@ class Supervisor:
         self._drained = False
         self._alive_at = time.monotonic()  # the session checked them before dispatch
         self._recv_wait: tuple[Any, float] | None = None  # (what, since) for deadlocks
+        self._output_at = -FLUSH_WINDOW  # when ``wake`` last woke the loop (output)
         #: where stuck ranks were when first found stuck (see :meth:`_take_stacks`)
         self._stacks: dict[int, RankStack] = {}
 
@@ -127,7 +133,11 @@ class Supervisor:
             wait_futures(futs, timeout=timeout, return_when=FIRST_COMPLETED)
             return
         if not any(self.futures[r].done() for r in ranks):
-            self.wake.wait(timeout)
+            now = time.monotonic()
+            if now - self._output_at < FLUSH_WINDOW:
+                timeout = min(timeout, FLUSH_POLL)
+            if self.wake.wait(timeout):
+                self._output_at = time.monotonic()
         self.wake.clear()
 
     def _cell_records(self, rank: int) -> list[CollectiveRecord]:

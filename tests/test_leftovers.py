@@ -475,3 +475,34 @@ def test_cleanup_without_dev_shm_skips_segments_silently(tmp_path, monkeypatch) 
         assert not folder.exists()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_running_tells_a_live_process_a_zombie_and_a_reused_pid(
+    portable: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    from mlx_nbdist import processes
+
+    monkeypatch.setenv("MLX_NBDIST_PORTABLE", "1" if portable else "0")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        p = psutil.Process(child.pid)
+        assert processes.running(p)
+        if not portable:  # (psutil's own check there, by its private start time)
+            # the same PID, another start time: a process the system gave it to later
+            other = psutil.Process(child.pid)
+            monkeypatch.setattr(other, "create_time", lambda: p.create_time() - 5.0)
+            assert not processes.running(other)
+        child.kill()
+        t_end = time.monotonic() + 10
+        while p.status() != psutil.STATUS_ZOMBIE:  # not reaped yet: a zombie
+            assert time.monotonic() < t_end
+            time.sleep(0.01)
+        assert not processes.running(p)
+    finally:
+        child.kill()
+        child.wait()
+    assert not processes.running(p)  # reaped: gone

@@ -55,6 +55,45 @@ def test_area_keeps_order_updates_displays_and_clears() -> None:
 # -- Session.run(on_output=...) on real engines ------------------------------------------
 
 
+def test_live_view_throttle_shows_a_held_back_update_when_its_interval_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An area not rendered within its interval updates at once; a second update
+    within it is held back and shown by the first flush() after the interval. The
+    interval grows with the number of areas (a total rate for the front end)."""
+    from mlx_nbdist.viz import live
+
+    shown: list[tuple[int, str]] = []
+
+    class Handle:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def update(self, bundle: dict[str, str], raw: bool = False) -> None:
+            shown.append((self.rank, bundle["text/plain"]))
+
+    view = live.LiveOutput([0, 1], headers=False)
+    monkeypatch.setattr(view, "_ensure_handles",
+                        lambda upto: [view._handles.setdefault(r, Handle(r))
+                                      for r in range(upto + 1)])
+    now = [100.0]
+    monkeypatch.setattr(live.time, "monotonic", lambda: now[0])
+    view(OutputEvent(0, Kind.STDOUT, text="a\n"))
+    assert shown == [(0, "a")]  # at once
+    assert view._interval(0) == pytest.approx(2 / live.MAX_TOTAL_UPDATES_PER_SECOND)
+    now[0] += 0.01
+    view(OutputEvent(0, Kind.STDOUT, text="b\n"))
+    view.flush()
+    assert shown == [(0, "a")]  # held back
+    now[0] += view._interval(0)
+    view.flush()
+    assert shown == [(0, "a"), (0, "a\nb")]
+    wide = live.LiveOutput(list(range(8)))
+    wide._handles = dict.fromkeys(range(8))
+    assert wide._interval(0) == pytest.approx(8 / live.MAX_TOTAL_UPDATES_PER_SECOND)
+    assert live.LiveOutput([0])._interval(0) == pytest.approx(1 / live.MAX_UPDATES_PER_SECOND)
+
+
 def test_output_arrives_while_the_cell_runs_in_order(session2: Session) -> None:
     t0 = time.monotonic()
     events: list[tuple[float, OutputEvent]] = []

@@ -140,8 +140,49 @@ def test_start_on_a_broken_session_says_restart(ip, capfd) -> None:
     assert "already running" not in out + err
     res, out, _ = run(ip, "%mlxdist status", capfd)
     assert "broken" in out and "rank 1" in out
+    assert "spare engines for the next restart" in out
     res, out, _ = run(ip, "%mlxdist restart", capfd)
     assert res.success, out
+    assert "spare engines" in out  # the group formed on the spare, started or awaited
     res, out, _ = run(ip, "%%mlxdist\nprint(mx.distributed.all_sum(mx.ones(1), group=world).item())", capfd)
     assert res.success and out.count("2.0") == 2
     run(ip, "%mlxdist stop", capfd)
+
+
+def test_start_without_a_spare(ip, capfd) -> None:
+    res, out, _ = run(ip, "%mlxdist start -n 1 --no-spare", capfd)
+    assert res.success, out
+    s = api.current_session()
+    assert s.spare is False and s.spare_state == ""
+    res, out, _ = run(ip, "%mlxdist status", capfd)
+    assert "spare" not in out
+    run(ip, "%mlxdist stop", capfd)
+
+
+def test_cell_line_is_parsed_once_per_line_and_bad_lines_fail_each_time() -> None:
+    from mlx_nbdist.magics import _cell_args
+
+    a = _cell_args("--ranks 0,1 --quiet")
+    assert a is _cell_args("--ranks 0,1 --quiet")  # kept: the same line is not parsed again
+    assert (a.ranks, a.quiet, a.timeout) == ([0, 1], True, None)
+    assert _cell_args("").ranks is None
+    for _ in range(2):  # an error is not cached away
+        with pytest.raises(UsageError, match="--timeout"):
+            _cell_args("--timeout -1")
+
+
+def test_policy_is_rebuilt_only_when_the_setting_changes(ip) -> None:
+    from mlx_nbdist.magics import MLXDist
+
+    m = MLXDist(shell=ip)
+    first = m._policy()
+    assert m._policy() is first  # every cell asks: built once
+    first.poll = 1.0  # changed in place (through Session.policy): a fresh one next time
+    again = m._policy()
+    assert again is not first and again.poll == 0.02
+    m.policy = {"drain_timeout": 5}
+    changed = m._policy()
+    assert changed.drain_timeout == 5.0 and changed is not again
+    m.policy = {"drain_timeout": -1}
+    with pytest.raises(UsageError, match="drain_timeout"):
+        m._policy()

@@ -191,3 +191,14 @@ def test_pull_of_a_cell_defined_class_is_a_clear_error(session2: Session) -> Non
         session2.pull("thing", ranks=[0])
     assert "a class defined in a cell on the ranks" in info.value.failures[0].evalue
     assert session2.pull("rank") == {0: 0, 1: 1}
+
+
+def test_rank_tracebacks_number_cells_as_the_notebook(session2: Session) -> None:
+    # the engines count their own cells; the magic names a cell as the notebook does
+    session2.run("def g():\n    raise ValueError('boom')", name="In [5001]")
+    with pytest.raises(CellError) as info:
+        session2.run("y = 2\ng()", name="In [5002]")
+    text = strip_ansi("\n".join(info.value._render_traceback_()))
+    assert "[ranks 0-1] ValueError: boom" in text
+    assert "Cell In[5002], line 2" in text
+    assert "Cell In[5001], line 2, in g()" in text

@@ -291,3 +291,27 @@ def test_controller_death_ends_the_cell() -> None:
     out = supervise(fake)
     assert out.broken == fake.infra
     assert set(out.failures) == {0, 1}
+
+
+def test_while_output_flows_the_loop_wakes_finely_for_held_back_updates() -> None:
+    """After output woke the loop, it waits at most FLUSH_POLL (the live view shows a
+    throttled update when its interval ends, not up to a poll later); with no output,
+    it waits the whole poll."""
+    import time
+
+    from mlx_nbdist.supervise import FLUSH_POLL, FLUSH_WINDOW
+
+    fake = FakeRanks()
+    wake = threading.Event()
+    sv = Supervisor(fake, fake.futures, Policy(timeout=10.0, **FAST), cell=fake.cell, wake=wake)
+    t0 = time.monotonic()
+    sv._wait([0, 1], 0.2)
+    assert time.monotonic() - t0 >= 0.19  # quiet: the whole poll
+    wake.set()  # output arrived
+    sv._wait([0, 1], 0.2)
+    t0 = time.monotonic()
+    sv._wait([0, 1], 0.2)
+    assert time.monotonic() - t0 < 0.1  # output flowing: FLUSH_POLL, not the poll
+    assert FLUSH_POLL < 0.02 < FLUSH_WINDOW
+    for f in fake.futures.values():
+        f.set_result(None)

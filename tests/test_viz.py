@@ -711,12 +711,16 @@ def test_status_text_of_a_session():
     ranks = {r: RankInfo(r, 10 + r, 100 + r, "h", "Device(cpu, 0)", 2, "ring") for r in (0, 1)}
     live = {0: RankState(rank=0, state="busy", cell=3, cell_started=90.0, collectives=5)}
     st = SimpleNamespace(session_id="s1", state="ready", n=2, backend="ring", launcher="local",
-                         uptime=61.6, broken_reason="", ranks=ranks, alive={0: True}, live=live)
+                         uptime=61.6, broken_reason="", ranks=ranks, alive={0: True}, live=live,
+                         spare="")
     assert format_status(st, now=92.5).splitlines() == [
         "session s1: ready, 2 ranks, backend=ring, launcher=local, up 62 s",
         "  rank 0: busy cell 3 for 2.5 s, pid 100 on h, Device(cpu, 0), engine 10, 5 collectives",
         "  rank 1: dead, pid 101 on h, Device(cpu, 0), engine 11",
     ]
+    st.spare = "ready"
+    assert format_status(st, now=92.5).splitlines()[1] == (
+        "  spare engines for the next restart: ready: a restart only forms the group")
     assert format_group(st) == "MLX group ready: 2 ranks, backend=ring, launcher=local, session s1"
     assert format_group(st, ranks=True).splitlines()[2] == (
         "  rank 1: Device(cpu, 0) on h, pid 101, engine 11")

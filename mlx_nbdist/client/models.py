@@ -165,8 +165,8 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         max_elements: pull a strided sample instead when a slice is larger.
     """
     s = _session(session)
-    holders = held_by(name, s)
-    got = s.receiver.pull(lambda *a: _unwrap(s.apply, *a, lookup=True, ranks=holders), name,
+    # one request to every rank: a pipeline stage that does not hold ``name`` says so
+    got = s.receiver.pull(lambda *a: _unwrap(s.apply, *a, lookup=True), name,
                           max_elements, s.shm_prefix)
     out = []
     for meta, data in got:
@@ -175,15 +175,6 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
         out.append(TensorSlice(**meta))
     return out
-
-
-def held_by(name: str, session: Session | None = None) -> list[int] | None:
-    """The ranks that hold ``name`` when only some do (a pipeline stage's layer), else
-    ``None`` (every rank, or none: then the lookup's own error names close matches)."""
-    s = _session(session)
-    has = s.apply(rpc.holds, name)
-    holders = sorted(r for r, ok in has.items() if ok)
-    return holders if holders and len(holders) < len(has) else None
 
 
 def show(name: str, *, values: bool = True, max_elements: int | None = 1 << 20,

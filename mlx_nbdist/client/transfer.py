@@ -109,7 +109,9 @@ class Receiver:
 
     def pull(self, apply: Apply, expr: str, max_elements: int | None, shm_prefix: str
              ) -> list[tuple[dict[str, Any], Any]]:
-        """Every rank's slice of ``expr``: ``(metadata, values)`` per rank, by rank.
+        """Every rank's slice of ``expr``: ``(metadata, values)`` per rank that holds
+        it, by rank (every rank is asked in one request; a pipeline stage that does
+        not hold ``expr`` answers ``None``).
 
         Args:
             apply: runs a function on every rank (the session's ``apply``, with the
@@ -120,15 +122,23 @@ class Receiver:
         """
         while True:
             with self.request:
-                got = sorted(apply(rpc.slice_of, expr, max_elements, shm_prefix,
-                                   socket.gethostname(), tuple(self.routes),
-                                   self.held()).items())  # fmt: skip
+                got = self._ask(apply, expr, max_elements, shm_prefix, absent_ok=True)
+                if not got:  # no rank holds it: the ranks' own lookup error, strictly
+                    got = self._ask(apply, expr, max_elements, shm_prefix, absent_ok=False)
                 try:
                     datas = self._unpack_all(got)
                 except RouteRefused as e:
                     self.routes.remove(e.route)  # e.g. ptrace rules forbid reading rank memory
                     continue
             return [(meta, data) for (_r, (meta, _i, _v)), data in zip(got, datas, strict=True)]
+
+    def _ask(self, apply: Apply, expr: str, max_elements: int | None, shm_prefix: str,
+             *, absent_ok: bool) -> list[tuple[int, Any]]:
+        """One ``slice_of`` request (under :attr:`request`): the answers by rank,
+        without those of ranks that do not hold ``expr``."""
+        got = apply(rpc.slice_of, expr, max_elements, shm_prefix, socket.gethostname(),
+                    tuple(self.routes), self.held(), absent_ok)
+        return sorted((r, v) for r, v in got.items() if v is not None)
 
     def _unpack_all(self, got: list[tuple[int, Any]]) -> list[Any]:
         vm = sum(1 for _, (_m, info, _v) in got if info and info.get("route") == "vm")

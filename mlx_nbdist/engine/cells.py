@@ -77,8 +77,18 @@ def install_hooks(ip: Any) -> None:
     def post_run_cell(result: Any) -> None:
         finish("ok" if result.success else type(result.error_in_exec).__name__)
 
+    def number_as_notebook(lines: list[str]) -> list[str]:
+        # A transformer runs before IPython takes the cell's number (pre_run_cell runs
+        # after): a rank's traceback then says ``Cell In[8]`` as the notebook does,
+        # not the engine's own count. Never backwards (IPython's history keys on it).
+        number = _meta(ip).get("number")
+        if isinstance(number, int) and number >= ip.execution_count:
+            ip.execution_count = number
+        return lines
+
     ip.events.register("pre_run_cell", pre_run_cell)
     ip.events.register("post_run_cell", post_run_cell)
+    ip.input_transformers_cleanup.append(number_as_notebook)
 
 
 def _meta(ip: Any) -> dict[str, Any]:

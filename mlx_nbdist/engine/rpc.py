@@ -6,7 +6,8 @@ and returns plain data. Importing this module imports no MLX (the notebook impor
 it): a function imports what it needs when it runs, on the rank.
 
 * forming the group (:mod:`.bootstrap`): :func:`probe`, :func:`free_ports`,
-  :func:`bootstrap`; :func:`machine_id` is also what the notebook compares ``probe``'s
+  :func:`bootstrap` (:func:`warm`: its imports, ahead, on a spare cluster's engines);
+  :func:`machine_id` is also what the notebook compares ``probe``'s
   answer with;
 * running: :func:`call` (``Session.apply``), :func:`pull` (``Session.pull``);
 * releasing a stuck group (:mod:`.tracker`): :func:`drain`, :func:`receive_unmatched`,
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import cells, state, transfer
-from .bootstrap import bootstrap, free_ports, machine_id, probe
+from .bootstrap import bootstrap, free_ports, machine_id, probe, warm
 from .transfer import pool_state, settle
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "settle",
     "shard_model",
     "slice_of",
+    "warm",
     "watch_model",
 ]
 
@@ -171,7 +173,8 @@ def slice_of(
     client_host: str = "",
     routes: tuple[str, ...] = (),
     held: dict[int, list[int]] | None = None,
-) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None]:
+    absent_ok: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any] | None, np.ndarray | None] | None:
     """This rank's slice of a parameter: (metadata, transfer info, values or None).
 
     When the notebook runs on this host (``shm_prefix`` given) the values go by one
@@ -179,7 +182,9 @@ def slice_of(
     rank's memory); else they travel as an out-of-band ipyparallel buffer (a
     top-level item of the returned tuple). See :mod:`mlx_nbdist.engine.transfer`.
     ``held`` lists, per rank, the earlier transfers the notebook still uses; the
-    rest are freed first.
+    rest are freed first. With ``absent_ok`` a rank that does not hold ``expr`` (a
+    pipeline stage's layer, see :func:`holds`) answers ``None`` instead of raising,
+    so one request serves any set of holders.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -189,6 +194,8 @@ def slice_of(
     st = state.current()
     if held is not None:
         transfer.release(held.get(st.rank, []))
+    if absent_ok and not holds(expr):
+        return None
     obj, rest = _resolve(expr)
     if not rest and not isinstance(obj, mx.array):
         raise WrongObjectError(

@@ -18,4 +18,11 @@ class LocalLauncher(Launcher):
     def cluster_kwargs(self, directory: Path) -> dict[str, Any]:
         from .._ipp import engine_set_launcher
 
-        return {"engine_launcher_class": engine_set_launcher()}  # engines keep exit codes
+        return {
+            "engine_launcher_class": engine_set_launcher(),  # engines keep exit codes
+            # the engines read the controller's connection file from the profile (they
+            # wait for it) instead of having it passed in their environment, which
+            # ipyparallel can only do once the controller is up: so they start while
+            # it starts (their imports and its own overlap: -0.4 s of a start here)
+            "send_engines_connection_env": False,
+        }

@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 
 from .. import config, processes, runtime, watchdog
+from ..config import Backend
+from ..engine import rpc
 from ..errors import StartError
 from ..launchers import Launcher
 from ..launchers.ssh import SSHLauncher
@@ -49,6 +51,8 @@ class Cluster:
         self.infra: dict[str, psutil.Process] = {}
         self._infra_ok_at = float("-inf")  # when infrastructure_problem last found none
         self.watchdog: int | None = None  # its PID (see mlx_nbdist.watchdog)
+        #: what each engine said of itself (:func:`formation.probe`), once :meth:`warm` ran
+        self.probes: dict[int, dict[str, Any]] = {}
 
     # -- starting -------------------------------------------------------------------
     def start_controller(self, controller_ip: str) -> None:
@@ -96,12 +100,54 @@ class Cluster:
                 raise
             raise StartError(self.launcher.start_failure(self.ipp, short_error(e))) from e
 
-    def connect(self, say: Progress) -> Any:
+    def bring_up(
+        self,
+        controller_ip: str,
+        say: Progress,
+        record: Callable[[], None],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Controller, watchdog and engines, until every engine registered: a start's
+        steps before the group forms. ``record`` writes the session record (the
+        watchdog follows it) once the controller runs and again with the engines.
+
+        Raises:
+            StartError: an engine exited, or not all registered in time.
+            Cancelled: ``cancelled()`` turned true between two steps.
+        """
+        p = self.launcher.placement
+        where = "" if p is None else f" on {controller_ip} for {p.source}"
+        say(f"session {self.session_id}: starting controller{where}")
+        self.start_controller(controller_ip)
+        record()  # the controller and its schedulers, for the watchdog
+        self.start_watchdog()
+        _check(cancelled)
+        on = "" if p is None else f" on {p.summary()}"
+        say(f"starting {self.n} engines{on} ({self.launcher.name} launcher)")
+        self.start_engines(say)
+        record()
+        self.connect(say, cancelled)
+
+    def warm(self, backend: Backend) -> None:
+        """Ask every registered engine who and where it is (kept as :attr:`probes` for
+        the group's formation) and import what joining the group will need, so a
+        restart onto these engines only forms the group."""
+        from . import formation
+
+        t_end = time.monotonic() + self.start_timeout
+        ids = sorted(self.client.ids)[: self.n]
+        self.probes = formation.probe(self, ids, t_end, gpus=backend == Backend.NCCL)
+        ars = [self.client[eid].apply_async(rpc.warm, str(backend)) for eid in ids]
+        for ar in ars:
+            ar.get(timeout=max(0.1, t_end - time.monotonic()))
+
+    def connect(self, say: Progress, cancelled: Callable[[], bool] = lambda: False) -> Any:
         """Connect the client and wait for all ``n`` engines to register."""
         self.client = self.ipp.connect_client_sync()
         t_end = time.monotonic() + self.start_timeout
         seen = -1
         while len(self.client.ids) < self.n:
+            _check(cancelled)
             if len(self.client.ids) != seen:
                 seen = len(self.client.ids)
                 say(f"engines registered: {seen}/{self.n}")
@@ -173,6 +219,16 @@ class Cluster:
                 "--controller-ip) and runs the same Python environment"
             )
         return note
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes this machine's launcher started (not mpirun's ranks)."""
+        out = []
+        for es in self.ipp.engines.values() if self.ipp is not None else []:
+            for lnch in list(getattr(es, "launchers", {}).values()):
+                pid = getattr(getattr(lnch, "process", None), "pid", None)
+                if pid:
+                    out.append(pid)
+        return out
 
     @property
     def controller_location(self) -> str:
@@ -319,6 +375,15 @@ class Cluster:
         self.infra = {}
         if interrupted is not None:
             raise interrupted
+
+
+class Cancelled(Exception):
+    """A start given up half way (a spare cluster no longer wanted)."""
+
+
+def _check(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise Cancelled
 
 
 def describe_exit(code: int | None) -> str:

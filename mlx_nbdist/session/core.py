@@ -12,7 +12,8 @@ the engines (restarted engines get new ids).
 The session is the facade: its state machine, one dispatch for :meth:`Session.run`
 and :meth:`Session.apply`, and what a cell's end needs checked. The cluster's
 processes are :class:`~.cluster.Cluster`'s, forming the group is
-:mod:`~.formation`'s, the ranks' liveness and signals are :class:`~.ranks.RankGroup`'s.
+:mod:`~.formation`'s, the ranks' liveness and signals are :class:`~.ranks.RankGroup`'s,
+the next restart's engines, warmed while the session runs, :class:`~.spare.Spare`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import atexit
 import json
 import math
 import os
+import re
 import threading
 import time
 import warnings
@@ -32,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from .. import _ipp, config, launchers
+from .. import _ipp, config, launchers, runtime
 from .. import hosts as _hosts
 from ..backend_check import check_mlx
 from ..client.transfer import Receiver, discard
@@ -40,7 +42,8 @@ from ..engine import rpc
 from ..enums import TextEnum
 from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError
 from ..history import Entry, cell_entry, render, target, write
-from ..outcomes import check_ledgers, collect, ledgers_of, raise_for
+from ..launchers.local import LocalLauncher
+from ..outcomes import check_ledgers, collect, ledgers_of, raise_for, short_error
 from ..results import (
     DIED,
     PAUSED,
@@ -59,6 +62,7 @@ from .cluster import Cluster
 from .formation import RankPlace
 from .profile import Profiles
 from .ranks import RankGroup
+from .spare import Spare
 
 
 class SessionState(TextEnum):
@@ -68,7 +72,6 @@ class SessionState(TextEnum):
     STARTING = "starting"
     READY = "ready"
     BROKEN = "broken"
-
 
 
 STOPPED, STARTING, READY, BROKEN = (
@@ -104,6 +107,8 @@ class SessionStatus:
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     alive: dict[int, bool] = field(default_factory=dict)
     live: dict[int, RankState] = field(default_factory=dict)
+    #: the next restart's engines: ``ready``, ``starting`` or ``""`` (none)
+    spare: str = ""
 
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -142,6 +147,9 @@ class Session:
         assume_remote: treat every rank as if on another machine even when this one
             sees its process and files (liveness through ipyparallel, signals
             through ssh, no status files); for tests and debugging.
+        spare: keep a spare set of engines warm for the next :meth:`restart` (local
+            launcher only; default :data:`mlx_nbdist.config.SPARE`): a restart then
+            only forms a new group (see :mod:`mlx_nbdist.session.spare`).
     """
 
     def __init__(
@@ -160,6 +168,7 @@ class Session:
         scp_cmd: list[str] | None = None,
         python: str | None = None,
         assume_remote: bool = False,
+        spare: bool | None = None,
     ):
         if n is not None:
             _check_n(n)
@@ -182,6 +191,8 @@ class Session:
         self.scp_cmd = list(scp_cmd) if scp_cmd else None
         self.python = python
         self.assume_remote = assume_remote
+        self.spare = config.SPARE if spare is None else bool(spare)
+        self._spare: Spare | None = None
         self.policy = config.Policy()
         self._state = STOPPED
         #: True while :meth:`stop` ends the processes (ranks are going, not dead)
@@ -212,7 +223,6 @@ class Session:
     def state(self) -> SessionState:
         """``stopped`` -> ``starting`` -> ``ready`` (-> ``broken``) -> ``stopped``."""
         return self._state
-
 
     @property
     def client(self) -> Any:
@@ -257,39 +267,35 @@ class Session:
         On a session already started this does nothing (a broken one stays broken:
         :meth:`restart` replaces it).
         """
-        say = progress or (lambda msg: None)
+        return self._start(progress or (lambda msg: None), None)
+
+    def _start(self, say: Progress, spare: Cluster | None) -> Session:
+        """:meth:`start`, on a ``spare`` cluster already up when given."""
         if self._state in (READY, BROKEN):
+            if spare is not None:
+                Spare.end(spare)  # another thread started the session meanwhile
             return self
-        if self.placement is not None and self.placement.n != self.n:
-            # ``n`` changed since (``%mlxdist restart -n``): place the new count
-            self.placement = _hosts.resolve(hosts=self.hosts, hostfile=self.hostfile, n=self.n)
-        launcher = launchers.create(
-            self.launcher,
-            self.placement,
-            self.n,
-            ssh_cmd=self.ssh_cmd,
-            scp_cmd=self.scp_cmd,
-            python=self.python,
-        )
-        check_mlx()  # before the launcher's backend check, which imports mlx.core
-        launcher.check(self.backend)
-        cores = os.cpu_count() or 1
-        if self.placement is None and self.n > cores:
-            warnings.warn(
-                f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
-                "and compute will be slow (fine for learning, not for timing)",
-                OversubscribedWarning,
-                stacklevel=2,
-            )
+        if spare is None:
+            launcher = self._launcher()
+            check_mlx()  # before the launcher's backend check, which imports mlx.core
+            launcher.check(self.backend)
+            cores = os.cpu_count() or 1
+            if self.placement is None and self.n > cores:
+                warnings.warn(
+                    f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
+                    "and compute will be slow (fine for learning, not for timing)",
+                    OversubscribedWarning,
+                    stacklevel=3,
+                )
         with self._run_lock:
             self._state = STARTING
             self.broken_reason = ""
             self.group = None
             self.history = []
             try:
-                self.cluster = Cluster(launcher, self.n, self.start_timeout)
+                self.cluster = spare or Cluster(launcher, self.n, self.start_timeout)
                 self.session_id, self.directory = self.cluster.session_id, self.cluster.directory
-                self._launch(self.cluster, say)
+                self._launch(self.cluster, say, up=spare is not None)
             except BaseException:
                 try:
                     self._teardown()
@@ -299,23 +305,34 @@ class Session:
             self._state = READY
         self._started_at = time.time()
         _LIVE.add(self)
+        self._warm_spare()
         return self
 
-    def _launch(self, cluster: Cluster, say: Progress) -> None:
-        p = self.placement
-        controller_ip = (
-            "127.0.0.1" if p is None else _hosts.controller_address(p, self.controller_ip_requested)
+    def _launcher(self) -> launchers.Launcher:
+        if self.placement is not None and self.placement.n != self.n:
+            # ``n`` changed since (``%mlxdist restart -n``): place the new count
+            self.placement = _hosts.resolve(hosts=self.hosts, hostfile=self.hostfile, n=self.n)
+        return launchers.create(
+            self.launcher,
+            self.placement,
+            self.n,
+            ssh_cmd=self.ssh_cmd,
+            scp_cmd=self.scp_cmd,
+            python=self.python,
         )
-        where = "" if p is None else f" on {controller_ip} for {p.source}"
-        say(f"session {cluster.session_id}: starting controller{where}")
-        cluster.start_controller(controller_ip)
-        self._write_record()  # the controller and its schedulers, for the watchdog
-        cluster.start_watchdog()
-        on = "" if p is None else f" on {p.summary()}"
-        say(f"starting {self.n} engines{on} ({self.launcher} launcher)")
-        cluster.start_engines(say)
-        self._write_record()
-        cluster.connect(say)
+
+    def _launch(self, cluster: Cluster, say: Progress, up: bool = False) -> None:
+        """Bring ``cluster`` up (unless it is ``up``: a spare) and form the group."""
+        if up:
+            say(f"session {cluster.session_id}: the spare engines, already started")
+        else:
+            p = self.placement
+            controller_ip = (
+                runtime.LOOPBACK
+                if p is None
+                else _hosts.controller_address(p, self.controller_ip_requested)
+            )
+            cluster.bring_up(controller_ip, say, record=self._write_record)
         say(f"joining the MLX group ({self.backend} backend)")
         formed = formation.form_group(
             cluster, self.backend, assume_remote=self.assume_remote, timeout=self.start_timeout
@@ -334,8 +351,13 @@ class Session:
             return
         self.stopping = True
         clean = self._state == READY
+        spare, self._spare = self._spare, None
         try:
-            self._teardown()
+            try:
+                self._teardown()
+            finally:
+                if spare is not None:
+                    spare.discard()
         finally:
             self._state = STOPPED
             self.stopping = False
@@ -343,14 +365,64 @@ class Session:
         if clean and self.directory is not None:
             # a clean stop leaves nothing; a broken session's or a failed start's
             # folder stays for its logs (pruned later, see processes.prune)
-            from .. import runtime
-
             runtime.discard(self.directory)
 
     def restart(self, progress: Progress | None = None) -> Session:
-        """New engines, same N, backend and launcher; rank r is still rank r."""
-        self.stop()
-        return self.start(progress)
+        """New engines, same N, backend and launcher; rank r is still rank r.
+
+        With a spare (see ``spare``), the group forms on its engines, already started;
+        else (or when the spare failed) new engines are started as :meth:`start` does.
+        """
+        say = progress or (lambda msg: None)
+        spare, self._spare = self._spare, None
+        try:
+            self.stop()
+            if spare is not None and not spare.ready:
+                say("waiting for the spare engines, still starting")
+            cluster = spare.take() if spare is not None else None
+        except BaseException:
+            if spare is not None:
+                spare.discard()
+            raise
+        if spare is not None and cluster is None and spare.error is not None:
+            say(f"the spare engines did not start ({short_error(spare.error)}): starting new ones")
+        return self._start(say, cluster)
+
+    def _spare_wanted(self) -> bool:
+        """A spare is kept for local engines (a launcher on other hosts would hold
+        their GPUs and ports for it) when ``spare`` is on."""
+        return (
+            self.spare
+            and self.placement is None
+            and self.launcher == LocalLauncher.name
+            and not self.assume_remote
+        )
+
+    def _warm_spare(self) -> None:
+        """Start bringing up the next restart's engines, in the background."""
+        if self._spare is not None or not self._spare_wanted():
+            return
+        cluster = Cluster(self._launcher(), self.n, self.start_timeout)
+        backend = self.backend
+
+        def bring_up(c: Cluster, cancelled: Callable[[], bool]) -> None:
+            c.bring_up(
+                runtime.LOOPBACK,
+                lambda msg: None,
+                record=lambda: self._write_record(cluster=c),
+                cancelled=cancelled,
+            )
+            if not cancelled():
+                c.warm(backend)
+
+        self._spare = Spare(cluster, bring_up, delay=config.SPARE_AFTER)
+
+    @property
+    def spare_state(self) -> str:
+        """``ready`` (a restart only forms the group), ``starting``, or ``""`` (none)."""
+        if self._spare is None:
+            return ""
+        return "ready" if self._spare.ready else "starting"
 
     def _teardown(self) -> None:
         cluster, group = self.cluster, self.group
@@ -386,30 +458,37 @@ class Session:
             return []
         return self.cluster.processes(self.group.local_pids() if self.group else [])
 
-    def _write_record(self, stopped: bool = False) -> None:
-        """The record the watchdog and ``%mlxdist cleanup`` read."""
-        from .. import runtime
-
-        assert self.cluster is not None
+    def _write_record(self, stopped: bool = False, cluster: Cluster | None = None) -> None:
+        """The record the watchdog and ``%mlxdist cleanup`` read: of this session's
+        cluster, or of ``cluster`` (a spare: its own processes, no ranks yet)."""
+        spare = cluster is not None
+        cluster = cluster or self.cluster
+        assert cluster is not None
         me = psutil.Process()
+        if stopped:
+            pids: list[tuple[int, float]] = []
+        else:
+            pids = cluster.processes([]) if spare else self.processes()
         rec = {
-            "session_id": self.session_id,
+            "session_id": cluster.session_id,
             "client_pid": me.pid,
             "client_started": me.create_time(),
             "n": self.n,
             "backend": str(self.backend),
             "launcher": self.launcher,
-            "state": str(STOPPED if stopped else self._state),
-            "pids": [] if stopped else self.processes(),
-            "controller_ip": self.controller_ip,
+            "state": str(STOPPED if stopped else STARTING if spare else self._state),
+            "pids": pids,
+            "controller_ip": cluster.controller_ip,
             # ranks on other machines: cleanup cannot end them by PID from here
-            "remote": {
+            "remote": {}
+            if spare
+            else {
                 r: [p.host, self.ranks[r].pid]
                 for r, p in self.places.items()
                 if not p.local and r in self.ranks
             },
         }
-        runtime.write_record(self.cluster.directory, rec)
+        runtime.write_record(cluster.directory, rec)
 
     # -- what the notebook side reads of the ranks ---------------------------------------
     def rank_record(self, rank: int) -> dict[str, Any]:
@@ -480,6 +559,7 @@ class Session:
             ranks=dict(self.ranks),
             alive={r: g.rank_alive(r) for r in self.ranks} if g else {},
             live=self.rank_states() if self.directory else {},
+            spare=self.spare_state,
         )
 
     # -- running code ------------------------------------------------------------------
@@ -728,6 +808,9 @@ class Session:
 
             limit = self.output_limit if output_limit is None else int(output_limit)
             meta = {"mlxdist": 1, "check": bool(check), "output_limit": limit}
+            number = re.fullmatch(r"In \[(\d+)\]", name or "")
+            if number:  # the ranks number the cell as the notebook does (tracebacks)
+                meta["number"] = int(number.group(1))
             if profile:
                 meta["profile"] = True
             try:
@@ -737,8 +820,15 @@ class Session:
             except CellError as e:
                 _attach_items(e.result, streams)
                 why = "; ".join(g.headline() for g in e.groups)
-                self.history.append(cell_entry(code, group.sources[self._cell][0], targets,
-                                               self.n, failed=why[:300] or "failed"))
+                self.history.append(
+                    cell_entry(
+                        code,
+                        group.sources[self._cell][0],
+                        targets,
+                        self.n,
+                        failed=why[:300] or "failed",
+                    )
+                )
                 raise
             _attach_items(result, streams)
             self.history.append(cell_entry(code, group.sources[self._cell][0], targets, self.n))
@@ -797,8 +887,14 @@ class Session:
 
         with self._run_lock:
             entries = list(self.history)
-        text = render(entries, self.n, str(self.backend), session_id=self.session_id,
-                      version=__version__, name=target(path).name)
+        text = render(
+            entries,
+            self.n,
+            str(self.backend),
+            session_id=self.session_id,
+            version=__version__,
+            name=target(path).name,
+        )
         return write(text, path, overwrite)
 
     def _forget(self, *ars: Any) -> None:
@@ -879,4 +975,3 @@ def _stop_all() -> None:
             s.stop()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
-

@@ -76,7 +76,9 @@ def form_group(
     ids = sorted(client.ids)[:n]
     t_end = time.monotonic() + timeout
     me = psutil.Process()
-    probes = _probe(cluster, ids, me, t_end, gpus=backend == Backend.NCCL)
+    probes = cluster.probes  # a spare cluster's engines answered while it warmed
+    if sorted(probes) != ids:
+        probes = probe(cluster, ids, t_end, gpus=backend == Backend.NCCL)
     order = cluster.launcher.assign(cluster.ipp, probes)  # rank -> engine id
     places = {
         r: RankPlace(host=cluster.launcher.host_of(r, probes[eid])) for r, eid in order.items()
@@ -110,7 +112,12 @@ def form_group(
     reaper = next((r for r in sorted(order) if watch[r]), None)
     cpid = cluster.controller_pid()
     reap = [cpid, *processes.children(cpid)] if cpid else []
+    barrier = None
+    if backend == Backend.RING and all(places[r].shared_files for r in order):
+        barrier = cluster.directory / f"init-{secrets.token_hex(4)}"
+        barrier.mkdir()
     base = dict(
+        init_barrier=str(barrier) if barrier else None,
         size=n,
         backend=str(backend),
         hostfile_json=hostfile_json,
@@ -164,11 +171,12 @@ def form_group(
     return Formed(ranks=dict(sorted(infos.items())), places=dict(sorted(places.items())))
 
 
-def _probe(
-    cluster: Cluster, ids: list[int], me: psutil.Process, t_end: float, gpus: bool = False
+def probe(
+    cluster: Cluster, ids: list[int], t_end: float, gpus: bool = False
 ) -> dict[int, dict[str, Any]]:
     """Step 1: ask every engine who and where it is (and, ``gpus``, how many GPUs
     its host has)."""
+    me = psutil.Process()
     nonce = secrets.token_hex(16)
     runtime.write_private(cluster.directory / "probe", nonce)
     cfg = dict(

@@ -58,6 +58,8 @@ class StatusFacts(SessionFacts, Protocol):
     def alive(self) -> dict[int, bool]: ...
     @property
     def live(self) -> dict[int, RankState]: ...
+    @property
+    def spare(self) -> str: ...
 
 
 # --------------------------------------------------------------------------- text
@@ -97,6 +99,9 @@ def format_status(st: StatusFacts, now: float | None = None) -> str:
     ]
     if st.broken_reason:
         lines.append(f"  broken: {st.broken_reason} -> run %mlxdist restart")
+    if st.spare:
+        done = "ready: a restart only forms the group" if st.spare == "ready" else "starting"
+        lines.append(f"  spare engines for the next restart: {done}")
     now = time.time() if now is None else now
     for r, info in st.ranks.items():
         live = st.live.get(r)
