@@ -159,9 +159,16 @@ def running(p: psutil.Process) -> bool:
 
 
 def _use_proc() -> bool:
+    from .platform import portable
+
+    return not portable() and _proc_here()
+
+
+@functools.cache
+def _proc_here() -> bool:
     from .platform import has_proc
 
-    return has_proc()
+    return has_proc(env={})  # the machine's part, once (portable mode is read each time)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
