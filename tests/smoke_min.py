@@ -148,6 +148,13 @@ def test_group_of_two(backend: str) -> None:
         s.start()
         print(f"{backend}: started in {time.monotonic() - t0:.1f} s")
         _all_sum_and_model(s)
+        if backend == "ring":  # a figure shows without plt.show() (the inline backend)
+            r = s.run("import matplotlib.pyplot as plt\nplt.plot([0, rank + 1])")
+            for rank in range(2):
+                assert any("image/png" in o["data"] for o in r.ranks[rank].outputs)
+            s.restart()  # onto the spare, or new engines while it still starts
+            r = s.run("float(mx.distributed.all_sum(mx.ones(1), group=world).item())")
+            assert [r.ranks[k].result_text for k in range(2)] == ["2.0", "2.0"]
         if backend == "ring" and installed("mlx-lm"):
             r = s.run(TINY_LM)
             for rank in range(2):
