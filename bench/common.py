@@ -17,9 +17,10 @@ from mlx_nbdist import config as mlx_nbdist_config
 
 RESULTS = Path(__file__).parent / "results"
 
-# A session's spare engines start 1 s after it is ready (mlx_nbdist.session.spare): in a
-# benchmark that would compete with the first measured cells. The benchmarks run
-# without one, except restart.py, which asks for it and measures what an idle one costs.
+# A session's spare engines start once it has run no cell for 1 s (mlx_nbdist.session.
+# spare): a pause between two measurements would start one in the middle of a benchmark.
+# The benchmarks run without one, except restart.py, which asks for it and measures
+# what an idle one costs.
 mlx_nbdist_config.SPARE = False
 
 

@@ -76,8 +76,8 @@ HEARTBEAT_MISSES = 110
 #: keep a spare set of engines warm for the next restart (``Session(spare=...)``,
 #: ``%mlxdist start --no-spare``): a restart then only forms a group on them
 SPARE = True
-#: seconds after a session is ready (or restarted) before its spare starts, so that
-#: starting it does not compete with the first cells for the CPU
+#: the spare starts once no cell has run for this many seconds (after a start or a
+#: restart), so that starting it does not compete with the cells for the CPU
 SPARE_AFTER = 1.0
 
 #: how often each rank publishes its state (its status file) while it runs, seconds

@@ -348,7 +348,7 @@ class MLXDist(Magics):
 
     def _cmd_restart(self, args: argparse.Namespace) -> None:
         s = self._session(allow_stopped=True)
-        if args.n:
+        if args.n and args.n != s.n:  # (the same N keeps the spare engines)
             s.stop()
             s.n = args.n
         before = processes.child_pids()

@@ -141,7 +141,7 @@ def test_start_on_a_broken_session_says_restart(ip, capfd) -> None:
     res, out, _ = run(ip, "%mlxdist status", capfd)
     assert "broken" in out and "rank 1" in out
     assert "spare engines for the next restart" in out
-    res, out, _ = run(ip, "%mlxdist restart", capfd)
+    res, out, _ = run(ip, "%mlxdist restart -n 2", capfd)  # the same N: the spare serves
     assert res.success, out
     assert "spare engines" in out  # the group formed on the spare, started or awaited
     res, out, _ = run(ip, "%%mlxdist\nprint(mx.distributed.all_sum(mx.ones(1), group=world).item())", capfd)

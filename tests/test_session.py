@@ -202,3 +202,17 @@ def test_rank_tracebacks_number_cells_as_the_notebook(session2: Session) -> None
     assert "[ranks 0-1] ValueError: boom" in text
     assert "Cell In[5002], line 2" in text
     assert "Cell In[5001], line 2, in g()" in text
+
+
+def test_a_rank_notes_its_ledger_before_its_reply(session2: Session) -> None:
+    # the session tells a ledger lost on its way (iopub behind the reply) from a cell
+    # without collectives by this note, written synchronously before the reply
+    session2.run("mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))")
+    cell = session2.cell
+    assert [session2.group.rank_file(r, "ledger") for r in (0, 1)] == [str(cell)] * 2
+    missing = session2._ledger_missing  # noqa: SLF001 - the check itself, with no ledgers
+    assert missing(session2.group, {}, {0: None, 1: None})
+    assert not missing(session2.group, {0: [], 1: []}, {0: None, 1: None})
+    session2.run("x = 1")  # no collective: the note stays, the check stays quiet
+    assert session2.group.rank_file(0, "ledger") == str(cell)
+    assert not missing(session2.group, {}, {0: None, 1: None})

@@ -101,7 +101,7 @@ def test_a_spare_that_failed_gives_a_cold_restart(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(cluster_mod.Cluster, "warm", real_warm)
         said: list[str] = []
         s.restart(said.append)
-        assert any("did not start (RuntimeError: the spare's engines did not answer)" in m
+        assert any("not usable (RuntimeError: the spare's engines did not answer)" in m
                    for m in said), said
         assert not wait_gone(failed), "the failed spare's processes outlived the restart"
         r = s.run(CHECK)
@@ -130,6 +130,31 @@ def test_no_spare_when_asked() -> None:
         assert s.spare_state == ""
         s.restart()
         assert s.spare_state == ""
+        r = s.run(CHECK)
+        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+    finally:
+        s.stop()
+
+
+def test_a_spare_engine_killed_meanwhile_gives_a_cold_restart() -> None:
+    import os
+    import signal
+
+    s = Session(2, timeout=60)
+    try:
+        s.start()
+        _wait_ready(s)
+        victim = s._spare.cluster.engine_pids()[1]  # noqa: SLF001 - say, the OOM killer
+        os.kill(victim, signal.SIGKILL)
+        assert not wait_gone([victim])
+        t_end = time.monotonic() + 10
+        while s.spare_state != "failed":
+            assert time.monotonic() < t_end, s.spare_state
+            time.sleep(0.05)
+        assert "spare engines for the next restart: failed" in format_status(s.status())
+        said: list[str] = []
+        s.restart(said.append)
+        assert any("spare engines are not usable" in m and "SIGKILL" in m for m in said), said
         r = s.run(CHECK)
         assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
     finally:

@@ -54,6 +54,7 @@ def finish(status: str) -> None:
         data: dict[str, Any] = {}
         if st.tracker.cell_count:
             data[LEDGER_KEY] = st.tracker.ledger()
+            st.monitor.note_ledger(st.tracker.cell)
         if recorder is not None:
             data[PROFILE_KEY] = recorder.finish(status)
         if data:

@@ -50,6 +50,8 @@ MAX_POINTS = 256
 MAX_PARAMS = 48
 #: how often a watched model's parameters are re-read, in seconds
 MODEL_INTERVAL = 1.0
+#: after a cell's start or end woke the thread, seconds it waits before it publishes
+WAKE_SETTLE = 0.01
 
 
 class Monitor:
@@ -128,7 +130,12 @@ class Monitor:
         self._wake.set()  # the thread publishes at once; the cell does not wait for it
 
     def cell_finished(self, status: str) -> None:
-        """Publish the end of the cell: idle (``ok``) or error, and how long it took."""
+        """Publish the end of the cell: idle (``ok``) or error, and how long it took.
+
+        A cell that published bars or scalars is published now, before its reply:
+        the notebook shows their final values once the cell ended. Any other is
+        published by the thread, after the reply left (see :data:`WAKE_SETTLE`).
+        """
         with self._lock:
             started = self.state.get("cell_started") or time.time()
             self.state.update(
@@ -137,7 +144,14 @@ class Monitor:
                 last_status=status,
                 cell_started=None,
             )
-        self._wake.set()
+            live = self._marked == self.state.get("cell")
+        if live:
+            try:
+                self.publish()
+            except Exception:  # noqa: BLE001 - the thread publishes it then
+                self._wake.set()
+        else:
+            self._wake.set()
 
     def set_progress(self, key: str, value: dict[str, Any]) -> None:
         """Publish a progress bar (``n``, ``total``, ``desc``, ``rate``, ``cell``...)."""
@@ -195,6 +209,13 @@ class Monitor:
 
     # -- the thread -----------------------------------------------------------------
     def publish(self) -> None:
+        """Write the state now. One publish at a time, from the snapshot to the file
+        (the cell's thread publishes a cell's end while the thread may be half way
+        through a snapshot of its start: that one must not land last)."""
+        with self._write_lock:
+            self._publish()
+
+    def _publish(self) -> None:
         import mlx.core as mx
 
         self._refresh_model()
@@ -221,14 +242,26 @@ class Monitor:
             cpu_percent=float(cpu),
             updated=time.time(),
         )
-        with self._write_lock:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(snap, default=str))
-            os.replace(tmp, self.path)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snap, default=str))
+        os.replace(tmp, self.path)
+
+    def note_ledger(self, cell: int) -> None:
+        """Note, before the cell's reply leaves, that ``cell`` sent a ledger (the
+        notebook then waits for it: see ``Session._ledger_missing``). Written by the
+        cell's thread, not published: the notebook must not depend on when the
+        thread publishes."""
+        try:
+            self.path.with_suffix(".ledger").write_text(str(cell))
+        except OSError:
+            pass
 
     def _loop(self) -> None:
         while not self._stop:
-            self._wake.wait(self.interval)
+            if self._wake.wait(self.interval):
+                # woken by a cell's start or end: let its reply leave first (a publish
+                # holds the GIL for a while: 0.8 ms of every cell's round trip here)
+                time.sleep(WAKE_SETTLE)
             self._wake.clear()
             if self.watch_client and not self._client_alive():
                 self._reap_and_exit()

@@ -40,7 +40,7 @@ from ..backend_check import check_mlx
 from ..client.transfer import Receiver, discard
 from ..engine import rpc
 from ..enums import TextEnum
-from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError
+from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError, StartError
 from ..history import Entry, cell_entry, render, target, write
 from ..launchers.local import LocalLauncher
 from ..outcomes import check_ledgers, collect, ledgers_of, raise_for, short_error
@@ -193,6 +193,8 @@ class Session:
         self.assume_remote = assume_remote
         self.spare = config.SPARE if spare is None else bool(spare)
         self._spare: Spare | None = None
+        self._busy = False  # a cell or apply runs
+        self._idle_since = time.monotonic()
         self.policy = config.Policy()
         self._state = STOPPED
         #: True while :meth:`stop` ends the processes (ranks are going, not dead)
@@ -385,8 +387,14 @@ class Session:
                 spare.discard()
             raise
         if spare is not None and cluster is None and spare.error is not None:
-            say(f"the spare engines did not start ({short_error(spare.error)}): starting new ones")
-        return self._start(say, cluster)
+            say(f"the spare engines are not usable ({short_error(spare.error)}): starting new ones")
+        if cluster is None:
+            return self._start(say, None)
+        try:
+            return self._start(say, cluster)
+        except StartError as e:  # the group did not form on it (its processes are ended)
+            say(f"the spare engines could not form the group ({short_error(e)}): starting new ones")
+            return self._start(say, None)
 
     def _spare_wanted(self) -> bool:
         """A spare is kept for local engines (a launcher on other hosts would hold
@@ -415,14 +423,19 @@ class Session:
             if not cancelled():
                 c.warm(backend)
 
-        self._spare = Spare(cluster, bring_up, delay=config.SPARE_AFTER)
+        self._spare = Spare(cluster, bring_up, ready=self._idle_for)
+
+    def _idle_for(self) -> bool:
+        """No cell or apply has run for :data:`~mlx_nbdist.config.SPARE_AFTER` seconds
+        (the spare's start must not compete with the cells for the CPU: on 2 cores it
+        once held up a rank's answer to an interrupt past its grace)."""
+        return not self._busy and time.monotonic() - self._idle_since >= config.SPARE_AFTER
 
     @property
     def spare_state(self) -> str:
-        """``ready`` (a restart only forms the group), ``starting``, or ``""`` (none)."""
-        if self._spare is None:
-            return ""
-        return "ready" if self._spare.ready else "starting"
+        """``ready`` (a restart only forms the group), ``starting``, ``failed`` (a
+        restart starts new engines), or ``""`` (none)."""
+        return self._spare.state if self._spare is not None else ""
 
     def _teardown(self) -> None:
         cluster, group = self.cluster, self.group
@@ -640,32 +653,37 @@ class Session:
         """Send one cell or apply to ``targets`` and supervise it to the end: the one
         path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says.
         ``group``: what the caller's :meth:`_require` just returned (checked once)."""
-        group = group if group is not None else self._require()
-        self._cell += 1
-        meta = {**meta, "cell": self._cell, "ranks": targets}
-        t0 = time.monotonic()
-        ar = send(self.view(targets), meta)
-        futures = dict(zip(targets, _ipp.futures_of(ar), strict=True))
-        policy = replace(self.policy, timeout=timeout)
-        outcome = Supervisor(
-            group, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
-        ).wait()
+        self._busy = True  # the spare waits for an idle session (see _idle_for)
         try:
-            engine_ids = {r: info.engine_id for r, info in group.ranks.items()}
-            result = collect(futures, outcome, self._cell, engine_ids, time.monotonic() - t0)
-            if on_poll is not None:
-                on_poll()  # the output that arrived with the replies
-            self._settle_group(group, result, outcome, futures)
-        except BaseException:
-            # e.g. a second Ctrl-C while the group was being checked: unproven
-            self._break("interrupted before the group could be checked after the cell")
-            raise
-        if meta.get("profile"):
-            self.profiles.record(self._cell, futures)
-        self._forget(ar)
-        notes = diagnostics.host_notes(group, self.backend, result, outcome)
-        raise_for(result, outcome, timeout, notes)
-        return futures, result, outcome
+            group = group if group is not None else self._require()
+            self._cell += 1
+            meta = {**meta, "cell": self._cell, "ranks": targets}
+            t0 = time.monotonic()
+            ar = send(self.view(targets), meta)
+            futures = dict(zip(targets, _ipp.futures_of(ar), strict=True))
+            policy = replace(self.policy, timeout=timeout)
+            outcome = Supervisor(
+                group, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
+            ).wait()
+            try:
+                engine_ids = {r: info.engine_id for r, info in group.ranks.items()}
+                result = collect(futures, outcome, self._cell, engine_ids, time.monotonic() - t0)
+                if on_poll is not None:
+                    on_poll()  # the output that arrived with the replies
+                self._settle_group(group, result, outcome, futures)
+            except BaseException:
+                # e.g. a second Ctrl-C while the group was being checked: unproven
+                self._break("interrupted before the group could be checked after the cell")
+                raise
+            if meta.get("profile"):
+                self.profiles.record(self._cell, futures)
+            self._forget(ar)
+            notes = diagnostics.host_notes(group, self.backend, result, outcome)
+            raise_for(result, outcome, timeout, notes)
+            return futures, result, outcome
+        finally:
+            self._busy = False
+            self._idle_since = time.monotonic()
 
     def _settle_group(
         self, group: RankGroup, result: CellResult, outcome: Outcome, futures: dict[int, Any]
@@ -709,14 +727,17 @@ class Session:
     def _ledger_missing(
         self, group: RankGroup, ledgers: dict[int, Any], futures: dict[int, Any]
     ) -> bool:
-        """A rank that says (status file) it issued collectives in this cell but whose
-        ledger did not arrive: the comparison would be incomplete."""
+        """A rank that noted (its ``.ledger`` file, written before its reply) that it
+        sent a ledger for this cell, but whose ledger did not arrive: the comparison
+        would be incomplete."""
         for r in futures:
             if r in ledgers:
                 continue
-            rec = group.rank_record(r)
-            if rec.get("tracker_cell") == self._cell and rec.get("cell_collectives"):
-                return True
+            try:
+                if group.rank_file(r, "ledger") == str(self._cell):
+                    return True
+            except OSError:
+                continue
         return False
 
     def _break(self, reason: str) -> None:

@@ -74,6 +74,10 @@ def form_group(
     client = cluster.client
     n = cluster.n
     ids = sorted(client.ids)[:n]
+    if len(ids) < n:
+        raise StartError(
+            f"only {len(ids)} of {n} engines are registered (one exited?){cluster.hosts_note()}"
+        )
     t_end = time.monotonic() + timeout
     me = psutil.Process()
     probes = cluster.probes  # a spare cluster's engines answered while it warmed

@@ -100,7 +100,10 @@ def format_status(st: StatusFacts, now: float | None = None) -> str:
     if st.broken_reason:
         lines.append(f"  broken: {st.broken_reason} -> run %mlxdist restart")
     if st.spare:
-        done = "ready: a restart only forms the group" if st.spare == "ready" else "starting"
+        done = {
+            "ready": "ready: a restart only forms the group",
+            "failed": "failed: a restart starts new engines",
+        }.get(st.spare, st.spare)
         lines.append(f"  spare engines for the next restart: {done}")
     now = time.time() if now is None else now
     for r, info in st.ranks.items():
