@@ -80,6 +80,9 @@ SPARE = True
 #: restart), so that starting it does not compete with the cells for the CPU
 SPARE_AFTER = 1.0
 
+#: the matplotlib backend of the engines (``MPLBACKEND``): figures show inline
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+
 #: how often each rank publishes its state (its status file) while it runs, seconds
 PUBLISH_INTERVAL = 0.25
 #: a rank whose published state is older than this many intervals shows as hung

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from . import runtime, watchdog
+from . import platform, runtime, watchdog
 from .watchdog import same_process, wait_ended
 
 #: stopped sessions' directories kept by :func:`cleanup` (the newest ones) ...
@@ -159,16 +159,12 @@ def running(p: psutil.Process) -> bool:
 
 
 def _use_proc() -> bool:
-    from .platform import portable
-
-    return not portable() and _proc_here()
+    return not platform.portable() and _proc_here()
 
 
 @functools.cache
 def _proc_here() -> bool:
-    from .platform import has_proc
-
-    return has_proc(env={})  # the machine's part, once (portable mode is read each time)
+    return platform.has_proc(env={})  # the machine's part, once (portable mode: each time)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -4,6 +4,7 @@ started while the session ran; real engines, a real MLX group."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -19,11 +20,22 @@ pytestmark = pytest.mark.timeout(240)
 CHECK = "float(mx.distributed.all_sum(mx.ones(1) * (rank + 1), group=world).item())"
 
 
-def _wait_ready(s: Session, timeout: float = 90.0) -> None:
+def _until(done: Callable[[], bool], timeout: float = 90.0) -> None:
+    """Wait until ``done()`` is true; fails after ``timeout`` seconds."""
     t_end = time.monotonic() + timeout
-    while s.spare_state != "ready":
-        assert time.monotonic() < t_end, f"the spare is still {s.spare_state!r}"
-        time.sleep(0.1)
+    while not done():
+        assert time.monotonic() < t_end, f"not within {timeout:g} s: {done}"
+        time.sleep(0.05)
+
+
+def _wait_ready(s: Session) -> None:
+    _until(lambda: s.spare_state == "ready")
+
+
+def _sums_right(s: Session) -> None:
+    """An all_sum of rank + 1 over the 2 ranks is 3 on each."""
+    r = s.run(CHECK)
+    assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
 
 
 def _spare_pids(s: Session) -> list[int]:
@@ -53,8 +65,7 @@ def test_a_restart_forms_the_group_on_the_warm_spare(monkeypatch: pytest.MonkeyP
         assert any("spare engines, already started" in m for m in said), said
         assert not wait_gone(old), "the broken session's processes outlived the restart"
         assert {info.pid for info in s.ranks.values()} <= set(spare)
-        r = s.run(CHECK)
-        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+        _sums_right(s)
         with pytest.raises(CellError, match="NameError"):
             s.run("x")  # new engines: nothing of the old namespace
         # the engines imported no matplotlib; a figure still shows at the cell's end
@@ -76,8 +87,7 @@ def test_a_restart_before_the_spare_is_up_waits_for_it() -> None:
         said: list[str] = []
         s.restart(said.append)
         assert any("waiting for the spare engines" in m for m in said), said
-        r = s.run(CHECK)
-        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+        _sums_right(s)
     finally:
         s.stop()
 
@@ -93,10 +103,7 @@ def test_a_spare_that_failed_gives_a_cold_restart(monkeypatch: pytest.MonkeyPatc
 
         monkeypatch.setattr(cluster_mod.Cluster, "warm", broken_warm)
         s._spare._go.set()  # noqa: SLF001 - no need to wait out its delay
-        t_end = time.monotonic() + 90
-        while s._spare._thread.is_alive():  # noqa: SLF001
-            assert time.monotonic() < t_end
-            time.sleep(0.1)
+        _until(lambda: not s._spare._thread.is_alive())  # noqa: SLF001
         failed = _spare_pids(s)
         monkeypatch.setattr(cluster_mod.Cluster, "warm", real_warm)
         said: list[str] = []
@@ -104,8 +111,7 @@ def test_a_spare_that_failed_gives_a_cold_restart(monkeypatch: pytest.MonkeyPatc
         assert any("not usable (RuntimeError: the spare's engines did not answer)" in m
                    for m in said), said
         assert not wait_gone(failed), "the failed spare's processes outlived the restart"
-        r = s.run(CHECK)
-        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+        _sums_right(s)
     finally:
         s.stop()
 
@@ -130,8 +136,7 @@ def test_no_spare_when_asked() -> None:
         assert s.spare_state == ""
         s.restart()
         assert s.spare_state == ""
-        r = s.run(CHECK)
-        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+        _sums_right(s)
     finally:
         s.stop()
 
@@ -147,15 +152,11 @@ def test_a_spare_engine_killed_meanwhile_gives_a_cold_restart() -> None:
         victim = s._spare.cluster.engine_pids()[1]  # noqa: SLF001 - say, the OOM killer
         os.kill(victim, signal.SIGKILL)
         assert not wait_gone([victim])
-        t_end = time.monotonic() + 10
-        while s.spare_state != "failed":
-            assert time.monotonic() < t_end, s.spare_state
-            time.sleep(0.05)
+        _until(lambda: s.spare_state == "failed", timeout=10)
         assert "spare engines for the next restart: failed" in format_status(s.status())
         said: list[str] = []
         s.restart(said.append)
         assert any("spare engines are not usable" in m and "SIGKILL" in m for m in said), said
-        r = s.run(CHECK)
-        assert [r.ranks[k].result_text for k in (0, 1)] == ["3.0", "3.0"]
+        _sums_right(s)
     finally:
         s.stop()

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import Backend
+from ..config import INLINE_BACKEND, Backend
 from . import cells, output, stacks, state
 
 
@@ -356,7 +356,7 @@ def _prepare_shell(mx: Any, nn: Any, st: state.EngineState) -> None:
 
     ip.user_ns.update(mx=mx, nn=nn, world=st.world, rank=st.rank, size=st.size,
                       mlx_nbdist=mlx_nbdist)
-    if "matplotlib" in sys.modules or os.environ.get("MPLBACKEND") != _INLINE:
+    if "matplotlib" in sys.modules or os.environ.get("MPLBACKEND") != INLINE_BACKEND:
         try:
             ip.run_line_magic("matplotlib", "inline")
         except Exception:  # noqa: BLE001 - figures are optional
@@ -365,6 +365,4 @@ def _prepare_shell(mx: Any, nn: Any, st: state.EngineState) -> None:
     # cell imports matplotlib, which is not imported here (0.45 s of every start)
     cells.install_hooks(ip)
 
-
-_INLINE = "module://matplotlib_inline.backend_inline"
 

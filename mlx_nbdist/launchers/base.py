@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config import Backend
+from ..config import INLINE_BACKEND, Backend
 from ..errors import SetupError
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class Launcher:
 
     def engine_env(self) -> dict[str, str]:
         """Environment variables of the engine processes (plus the hostfile's ``envs``)."""
-        env = {"PYTHONUNBUFFERED": "1", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+        env = {"PYTHONUNBUFFERED": "1", "MPLBACKEND": INLINE_BACKEND}
         if self.placement is not None:
             env.update(self.placement.env())
         return env

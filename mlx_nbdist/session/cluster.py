@@ -285,11 +285,8 @@ class Cluster:
             cpid = self.controller_pid()
             if cpid:
                 pids += [cpid, *processes.children(cpid)]  # the controller forks its schedulers
+            pids += self.engine_pids()
             for es in self.ipp.engines.values():
-                for lnch in getattr(es, "launchers", {}).values():
-                    p = getattr(getattr(lnch, "process", None), "pid", None)
-                    if p:
-                        pids.append(p)
                 p = getattr(getattr(es, "process", None), "pid", None)
                 if p:
                     pids.append(p)

@@ -19,6 +19,7 @@ the next restart's engines, warmed while the session runs, :class:`~.spare.Spare
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ class SessionStatus:
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     alive: dict[int, bool] = field(default_factory=dict)
     live: dict[int, RankState] = field(default_factory=dict)
-    #: the next restart's engines: ``ready``, ``starting`` or ``""`` (none)
+    #: the next restart's engines: ``ready``, ``starting``, ``failed`` or ``""`` (none)
     spare: str = ""
 
 
@@ -425,6 +426,16 @@ class Session:
 
         self._spare = Spare(cluster, bring_up, ready=self._idle_for)
 
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """A cell or apply runs (the spare waits for an idle session: :meth:`_idle_for`)."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._idle_since = time.monotonic()
+
     def _idle_for(self) -> bool:
         """No cell or apply has run for :data:`~mlx_nbdist.config.SPARE_AFTER` seconds
         (the spare's start must not compete with the cells for the CPU: on 2 cores it
@@ -653,8 +664,7 @@ class Session:
         """Send one cell or apply to ``targets`` and supervise it to the end: the one
         path of :meth:`run` and :meth:`apply`. Raises as :func:`raise_for` says.
         ``group``: what the caller's :meth:`_require` just returned (checked once)."""
-        self._busy = True  # the spare waits for an idle session (see _idle_for)
-        try:
+        with self._working():
             group = group if group is not None else self._require()
             self._cell += 1
             meta = {**meta, "cell": self._cell, "ranks": targets}
@@ -681,9 +691,6 @@ class Session:
             notes = diagnostics.host_notes(group, self.backend, result, outcome)
             raise_for(result, outcome, timeout, notes)
             return futures, result, outcome
-        finally:
-            self._busy = False
-            self._idle_since = time.monotonic()
 
     def _settle_group(
         self, group: RankGroup, result: CellResult, outcome: Outcome, futures: dict[int, Any]
