@@ -216,3 +216,14 @@ def test_a_rank_notes_its_ledger_before_its_reply(session2: Session) -> None:
     session2.run("x = 1")  # no collective: the note stays, the check stays quiet
     assert session2.group.rank_file(0, "ledger") == str(cell)
     assert not missing(session2.group, {}, {0: None, 1: None})
+
+
+def test_a_rank_that_showed_busy_is_idle_on_disk_when_its_cell_returns(
+    session2: Session,
+) -> None:
+    # the rank's thread publishes a cell's start; its end must be on disk before the
+    # reply, or %mlxdist status right after the cell would show the rank still busy
+    session2.run("import time\ntime.sleep(0.5)")
+    for r in (0, 1):
+        rec = session2.group.rank_record(r)
+        assert rec["state"] == "idle" and rec["cell"] == session2.cell, rec

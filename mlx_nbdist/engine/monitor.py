@@ -101,6 +101,7 @@ class Monitor:
         self._wake = threading.Event()
         self._lock = threading.Lock()  # the state, changed by the cell's thread
         self._write_lock = threading.Lock()  # the file
+        self._busy_on_disk: int | None = None  # the cell the file says runs, if any
         self._thread = threading.Thread(target=self._loop, name="mlx_nbdist-monitor", daemon=True)
         #: the rank's own status folder (``bootstrap``'s mkdtemp), removed at exit
         self.private_dir = self.path.parent if _is_private(self.path.parent, tracker.rank) else None
@@ -132,9 +133,12 @@ class Monitor:
     def cell_finished(self, status: str) -> None:
         """Publish the end of the cell: idle (``ok``) or error, and how long it took.
 
-        A cell that published bars or scalars is published now, before its reply:
-        the notebook shows their final values once the cell ended. Any other is
-        published by the thread, after the reply left (see :data:`WAKE_SETTLE`).
+        Published now, before the cell's reply, when the file says this cell is busy
+        (``%mlxdist status`` right after the cell must not show it running) or the
+        cell published bars or scalars (the notebook shows their final values once
+        the cell ended). A cell over before the thread published it (the file still
+        says idle) is published by the thread, after the reply left (see
+        :data:`WAKE_SETTLE`).
         """
         with self._lock:
             started = self.state.get("cell_started") or time.time()
@@ -144,13 +148,15 @@ class Monitor:
                 last_status=status,
                 cell_started=None,
             )
-            live = self._marked == self.state.get("cell")
-        if live:
-            try:
-                self.publish()
-            except Exception:  # noqa: BLE001 - the thread publishes it then
-                self._wake.set()
-        else:
+            cell = self.state.get("cell")
+        with self._write_lock:  # (a publish under way lands first: then it is known)
+            now = self._marked == cell or self._busy_on_disk == cell
+            if now:
+                try:
+                    self._publish()
+                except Exception:  # noqa: BLE001 - the thread publishes it then
+                    now = False
+        if not now:
             self._wake.set()
 
     def set_progress(self, key: str, value: dict[str, Any]) -> None:
@@ -188,13 +194,16 @@ class Monitor:
                 pass
 
     def watch_model(self, name: str | None) -> None:
-        """Publish the parameters (path, local shape, dtype, layer) of ``name``."""
+        """Publish the parameters (path, local shape, dtype, layer) of ``name``, now."""
         self._watch = name or None
         self._model_at = 0.0
         if self._watch is None:
             with self._lock:
                 self.state["model"] = None
-        self._wake.set()
+        try:  # now: a dashboard reads every rank's model once this call returned
+            self.publish()
+        except Exception:  # noqa: BLE001 - the thread publishes it then
+            self._wake.set()
 
     def _refresh_model(self) -> None:
         if self._watch is None or time.monotonic() - self._model_at < MODEL_INTERVAL:
@@ -245,6 +254,7 @@ class Monitor:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(snap, default=str))
         os.replace(tmp, self.path)
+        self._busy_on_disk = snap.get("cell") if snap.get("state") == "busy" else None
 
     def note_ledger(self, cell: int) -> None:
         """Note, before the cell's reply leaves, that ``cell`` sent a ledger (the
