@@ -3,6 +3,7 @@ and the typed error a failed cell raises."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -12,7 +13,10 @@ from .errors import CellError, CellInterrupted, CollectiveTimeout
 from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
 from .supervise import Outcome, error_of
 
-#: the key under which a rank publishes its cell's ledger (engine.bootstrap.end_cell)
+#: IPython compiles a cell as a temporary file named by a hash of its source
+#: (``/tmp/ipykernel_1234/3660870495.py``); a syntax error's text names that file
+_CELL_FILE = re.compile(r" \((?:<ipython-input-[\d-]+>|\d+\.py), line (\d+)\)$")
+_SYNTAX = ("SyntaxError", "IndentationError", "TabError")
 
 
 def collect(
@@ -187,8 +191,6 @@ def _display_warning(rank: int, err: BaseException) -> str:
 
 
 def _strip_ansi(text: str) -> str:
-    import re
-
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
@@ -202,6 +204,8 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
         lines = [str(x) for x in tb]
     else:
         lines = []
+    if ename in _SYNTAX:  # "... (3660870495.py, line 1)": the cell's line instead
+        evalue = _CELL_FILE.sub(r" (line \1 of the cell)", evalue)
     if ename == "EngineError":  # ipyparallel's own traceback says nothing about the rank
         return RankFailure(
             rank=rank, cause=DIED, ename=ename, evalue="its engine stopped answering"
