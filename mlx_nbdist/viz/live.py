@@ -22,10 +22,10 @@ from ..streams import Item, Kind, OutputEvent, RankStream
 from .common import rank_hex
 
 #: at most this many re-renders of one rank's area per second while a cell runs
-MAX_UPDATES_PER_SECOND = 25
+MAX_UPDATES_PER_SECOND = 50
 #: and at most this many for all the cell's areas together: with many ranks each
-#: area updates less often (2 ranks: every 0.04 s each, 8 ranks: every 0.16 s)
-MAX_TOTAL_UPDATES_PER_SECOND = 50
+#: area updates less often (2 ranks: every 0.02 s each, 8 ranks: every 0.08 s)
+MAX_TOTAL_UPDATES_PER_SECOND = 100
 #: a large area is re-sent whole on each update: at most this many bytes per second
 #: per rank (a 1 MiB area then updates about every 0.5 s), so the browser keeps up
 MAX_BYTES_PER_SECOND = 2_000_000
