@@ -576,3 +576,27 @@ def test_timeline_of_a_stopped_session_says_what_to_do() -> None:
         pytest.skip("Session.timeline is not wired into session/core.py yet")
     with pytest.raises(NotStartedError, match="start one"):
         s.timeline()
+
+
+def test_compaction_keeps_every_unevaluated_collective_and_drops_the_evaluated(
+    tracked: Any,
+) -> None:
+    # a compaction by count checks only the older half of what a rank holds (the
+    # newest are likely in a graph being built); nothing unevaluated may be dropped
+    from mlx_nbdist.engine import tracker as tracker_module
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    first = mx.distributed.all_sum(mx.ones(3), group=world)  # never evaluated here
+    first_seq = tracker.seq
+    for i in range(5 * tracker_module.COMPACT_AT):
+        y = mx.distributed.all_sum(mx.ones(3) * i, group=world)
+        if i % 7:
+            mx.eval(y)
+    last_seq = tracker.seq
+    lazy = {first_seq} | {first_seq + 1 + i for i in range(5 * tracker_module.COMPACT_AT)
+                          if i % 7 == 0}
+    assert len(tracker._held) <= 2 * tracker_module.COMPACT_AT + len(lazy)  # bounded
+    settled = {rec.seq for rec in tracker.settle()}
+    assert settled == lazy, (sorted(settled - lazy), sorted(lazy - settled))
+    assert last_seq == first_seq + 5 * tracker_module.COMPACT_AT
+    assert first.tolist() == [1.0, 1.0, 1.0] and not tracker.settle()

@@ -212,7 +212,13 @@ class Tracker:
             if len(self._held) < self._compact_at and self._held_bytes < COMPACT_BYTES:
                 return
             held = list(self._held)
-        keep = [(r, a) for r, a in held if not _evaluated(a)]
+        # Proving an array unevaluated walks its whole graph (_evaluated): the newest
+        # outputs are most likely in the graph being built right now (a decode step's
+        # next token), so a compaction by count checks the older half only; the newer
+        # half is checked at the next one. (Checking all cost a tensor-parallel decode
+        # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them.
+        cut = len(held) // 2 if self._held_bytes < COMPACT_BYTES else len(held)
+        keep = [(r, a) for r, a in held[:cut] if not _evaluated(a)] + held[cut:]
         with self._lock:
             added = self._held[len(held) :]
             self._held = keep + added
