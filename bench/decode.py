@@ -102,7 +102,7 @@ def direct_script(mode: str) -> dict:
         return json.loads(line[len("RESULT "):])
 
 
-def main(trials: int = 2) -> dict:
+def main(trials: int = 4) -> dict:
     out: dict = {}
     with Session(2, timeout=600) as s:
         s.run(MODEL)

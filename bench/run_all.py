@@ -91,7 +91,9 @@ def section_startup(d: dict) -> list[str]:
            "|---|---|---|---|"]
     for ranks, rows in d.items():
         for name, st in rows.items():
-            out.append(f"| {ranks} | {name} | {st['median']:.2f} s | {st['n']} |")
+            failed = len(st.get("failed", ()))
+            runs = f"{st['n']} (+{failed} failed: not every rank ran; retried)" if failed else st["n"]
+            out.append(f"| {ranks} | {name} | {st['median']:.2f} s | {runs} |")
     return out + [""]
 
 
