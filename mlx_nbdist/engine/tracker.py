@@ -209,7 +209,8 @@ class Tracker:
         with self._lock:
             self._held.append((rec, out))
             self._held_bytes += int(out.nbytes)
-            if len(self._held) < self._compact_at and self._held_bytes < COMPACT_BYTES:
+            by_bytes = self._held_bytes >= COMPACT_BYTES
+            if len(self._held) < self._compact_at and not by_bytes:
                 return
             held = list(self._held)
         # Proving an array unevaluated walks its whole graph (_evaluated): the newest
@@ -217,7 +218,7 @@ class Tracker:
         # next token), so a compaction by count checks the older half only; the newer
         # half is checked at the next one. (Checking all cost a tensor-parallel decode
         # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them.
-        cut = len(held) // 2 if self._held_bytes < COMPACT_BYTES else len(held)
+        cut = len(held) if by_bytes else len(held) // 2
         keep = [(r, a) for r, a in held[:cut] if not _evaluated(a)] + held[cut:]
         with self._lock:
             added = self._held[len(held) :]
