@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import run_ranks_directly, bin_path, run_script
+from common import bin_path, mlx_launch, run_ranks_directly, run_script
 
 from mlx_nbdist import Session
 
@@ -76,6 +76,14 @@ def _parse(out: str) -> dict[int, float]:
     return got
 
 
+def _parses(out: str) -> bool:
+    try:
+        _parse(out)
+    except RuntimeError:
+        return False
+    return True
+
+
 def in_cell(backend: str) -> dict[int, float]:
     with Session(2, backend=backend, timeout=300) as s:
         s.run(LOOP)
@@ -100,22 +108,14 @@ def plain_script(backend: str) -> dict[int, float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "bench_allsum.py"
         script.write_text(SCRIPT.format(sizes=_sizes()))
-        if backend == "ring":
-            # mlx.launch execs its command: name the interpreter (and it exits 0 even
-            # when ranks fail, so _parse's result is checked below)
-            cmd = [bin_path("mlx.launch"), "--backend", "ring", "-n", "2",
-                   "--starting-port", str(_free_base_port()), "--", sys.executable,
-                   str(script), "ring"]
-            env = {}
-        else:
-            cmd = [*_mpirun(), sys.executable, str(script), "mpi"]
-            env = {"MLX_MPI_LIBNAME": _libmpi()}
+        if backend == "ring":  # mlx.launch execs its command: name the interpreter
+            out, _ = mlx_launch(2, [sys.executable, str(script), "ring"], ok=_parses, tries=2)
+            return _parse(out)
+        cmd = [*_mpirun(), sys.executable, str(script), "mpi"]
+        env = {"MLX_MPI_LIBNAME": _libmpi()}
         try:
             return _parse(run_script(cmd, env=env))
-        except RuntimeError:  # mlx.launch exits 0 when a rank failed (seen once: a port
-            # taken between choosing and binding it): once more, on fresh ports
-            if backend == "ring":
-                cmd[cmd.index("--starting-port") + 1] = str(_free_base_port())
+        except RuntimeError:  # once more, as mlx.launch is
             return _parse(run_script(cmd, env=env))
 
 
@@ -157,12 +157,6 @@ def _libmpi() -> str:
     from mlx_nbdist.engine.mpi_entry import find_libmpi
 
     return find_libmpi() or "libmpi.so.40"
-
-
-def _free_base_port() -> int:
-    from mlx_nbdist.engine.rpc import free_ports
-
-    return free_ports(["127.0.0.1"])[0]
 
 
 def main(trials: int = 5) -> dict:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import bin_path, stats
+from common import mlx_launch, stats
 
 from mlx_nbdist import Session, runtime
 from mlx_nbdist.engine.rpc import free_ports
@@ -56,28 +55,18 @@ def bare(n: int) -> float:
     return t
 
 
-def mlx_launch(n: int, failed: list[str]) -> float:
-    """One run of ``mlx.launch``; a run in which not every rank printed (mlx.launch
-    exits 0 even then) is noted in ``failed`` (its stderr's tail) and run again on
-    fresh ports, at most twice."""
+def launched(n: int, failed: list[str]) -> float:
+    """``mlx.launch`` of the empty script; runs in which not every rank printed go in
+    ``failed`` (and are run again, see :func:`common.mlx_launch`)."""
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "empty.py"
         script.write_text(
             "import mlx.core as mx\ng = mx.distributed.init(backend='ring', strict=True)\n"
             "mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))\nprint('DONE', flush=True)\n"
         )
-        for _ in range(3):
-            port = free_ports(["127.0.0.1"])[0]
-            t0 = time.perf_counter()
-            p = subprocess.run([bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
-                                "--starting-port", str(port), "--", sys.executable, str(script)],
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
-            t = time.perf_counter() - t0
-            if p.stdout.count("DONE") == n:
-                return t
-            failed.append(f"exit {p.returncode}, {p.stdout.count('DONE')} of {n} ranks: "
-                          f"{p.stderr.strip()[-500:]}")
-        raise RuntimeError("mlx.launch did not run the script three times:\n" + "\n".join(failed))
+        _, elapsed = mlx_launch(n, [sys.executable, str(script)],
+                                ok=lambda out: out.count("DONE") == n, failed=failed)
+        return elapsed
 
 
 def main() -> dict:
@@ -87,7 +76,7 @@ def main() -> dict:
         failed: list[str] = []
         for name, fn in (("%mlxdist start + first all_sum", ours),
                          ("bare ipp.Cluster + init + all_sum", bare),
-                         ("mlx.launch empty script", functools.partial(mlx_launch, failed=failed))):
+                         ("mlx.launch empty script", functools.partial(launched, failed=failed))):
             row[name] = stats([fn(n) for _ in range(REPS)])
         row["mlx.launch empty script"]["failed"] = failed  # runs not counted (retried)
         out[f"{n} ranks"] = row
