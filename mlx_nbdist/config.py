@@ -67,6 +67,9 @@ MAX_RANKS = 64
 #: the controller's heartbeat period, ms: a new engine counts as registered at the
 #: second beat after it registered, so this is most of a start's wait
 HEARTBEAT_MS = 100
+#: how often a local engine re-reads the controller's connection file while it is
+#: missing or still being written, seconds (mlx_nbdist.engine.local_entry)
+CONNECTION_FILE_POLL_S = 0.02
 #: beats an engine may miss before the controller drops it (HEARTBEAT_MS x this:
 #: 11 s, as a 1 s period with ipyparallel's default of 10 misses gave). An engine
 #: checks for the pings every HEARTBEAT_MS + 500 ms and stops itself after 50 checks

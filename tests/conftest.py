@@ -150,9 +150,13 @@ def _no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def is_ours(p: psutil.Process) -> bool:
-    """An ipyparallel engine/controller or MPI launcher process."""
+    """An ipyparallel engine/controller (or our entry points for them) or MPI launcher
+    process."""
     try:
         cmd = " ".join(p.cmdline())
     except psutil.Error:
         return False
-    return any(k in cmd for k in ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun"))
+    return any(
+        k in cmd
+        for k in ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun", "mlx_nbdist.engine")
+    )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -142,3 +146,49 @@ def test_a_clean_stop_removes_the_session_folder_a_broken_one_keeps_it() -> None
     finally:
         s.stop()
     assert folder.is_dir() and (folder / "session.json").is_file()
+
+
+def test_a_local_engine_waits_for_a_connection_file_the_controller_is_still_writing(
+    tmp_path,
+) -> None:
+    """ipengine reads the file as soon as it exists: caught mid-write (a CI start was
+    lost so) it exits with JSONDecodeError. The local launcher's entry waits until the
+    file is whole and registers at the address in it."""
+    security = tmp_path / "profile" / "security"
+    security.mkdir(parents=True)
+    url_file = security / "ipcontroller-t-engine.json"
+    url_file.write_text('{"ssh": "", "interface": "tcp://127.0.0.1", "regis')  # cut
+    cmd = LocalLauncher(2).cluster_kwargs(tmp_path)["config"].LocalEngineSetLauncher.engine_cmd
+    proc = subprocess.Popen(
+        [*cmd, f"--profile-dir={tmp_path / 'profile'}", "--cluster-id=t", "--log-level=20"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        time.sleep(1.0)  # the engine is up and reads the cut file, over and over
+        assert proc.poll() is None, "".join(lines)
+        whole = {
+            "ssh": "",
+            "interface": "tcp://127.0.0.1",
+            "registration": 1,  # nothing listens: the engine only has to try
+            "location": "127.0.0.1",
+            "key": "",
+            "signature_scheme": "hmac-sha256",
+            "pack": "json",
+            "unpack": "json",
+        }
+        url_file.write_text(json.dumps(whole))
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end and not any("Registering" in x for x in lines):
+            time.sleep(0.05)
+        assert any("Registering with controller at tcp://127.0.0.1:1" in x for x in lines), (
+            "".join(lines)
+        )
+        assert not any("JSONDecodeError" in x for x in lines)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        reader.join(10)
