@@ -158,8 +158,13 @@ _PER_ENGINE = (
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour codes (IPython colours tracebacks)."""
+    return _ANSI.sub("", text)
+
+
 def _normalise(text: str) -> str:
-    text = _ANSI.sub("", text)
+    text = strip_ansi(text)
     for pattern, repl in _PER_ENGINE:
         text = pattern.sub(repl, text)
     return text

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from .engine.cells import LEDGER_KEY
-from .errors import CellError, CellInterrupted, CollectiveTimeout
+from .errors import CellError, CellInterrupted, CollectiveTimeout, strip_ansi
 from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
 from .supervise import Outcome, error_of
 
@@ -187,11 +187,7 @@ def _display_warning(rank: int, err: BaseException) -> str:
     tb = getattr(err, "traceback", None) or []
     lines = tb.splitlines() if isinstance(tb, str) else [str(x) for x in tb]
     last = next((x for x in reversed(lines) if x.strip()), "")
-    return f"rank {rank}: showing the cell's result failed ({_strip_ansi(last).strip()})"
-
-
-def _strip_ansi(text: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return f"rank {rank}: showing the cell's result failed ({strip_ansi(last).strip()})"
 
 
 def failure_from(rank: int, err: BaseException) -> RankFailure:
