@@ -206,7 +206,9 @@ def section_decode(d: dict) -> list[str]:
     out = ["## Transformer decode (2 ranks, tiny qwen2, greedy, 64 tokens)", "",
            "Decode tokens/s in a `%%mlxdist` cell (`mlx_nbdist.shard` + `mlx_nbdist.generate`) "
            "against the same model in a plain script (ranks started directly, sharded by "
-           "mlx-lm's own `shard` / `pipeline`, mlx-lm's `generate_step`); the tokens agree.", "",
+           "mlx-lm's own `shard` / `pipeline`, mlx-lm's `generate_step`); the tokens agree. "
+           "Six trials of five generations each, alternating, each side first in half of "
+           "them.", "",
            "| model | cell (median, min-max) | script (median, min-max) | cell / script |",
            "|---|---|---|---|"]
     for mode, row in d.items():

@@ -6,10 +6,20 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+_NAMES: dict[Any, str] = {}  # dtype -> name: the collective tracker asks on every call
+
 
 def dtype_name(dtype: Any) -> str:
     """The short name of an MLX dtype: ``float32`` for ``mlx.core.float32``."""
-    return str(dtype).rsplit(".", 1)[-1]
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: unhashable, not an MLX dtype
+        name = str(dtype).rsplit(".", 1)[-1]
+    try:
+        _NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 def nbytes(shape: Iterable[int], dtype: Any) -> int:

@@ -200,7 +200,7 @@ class Tracker:
                     self._recvd.setdefault(int(peer), []).append(msg)
                 else:
                     self._collectives += 1
-                    self._digest.update(f"{op}{tuple(shape)}{dtype}{check};".encode())
+                    self._digest.update(_signature_bytes(op, shape, dtype, check))
         return rec
 
     def _hold(self, rec: CollectiveRecord, out: Any) -> None:
@@ -328,6 +328,22 @@ def _evaluated(a: Any) -> bool:
     except Exception:  # noqa: BLE001 - cannot tell: treat as evaluated, never block on it
         return True
     return "->" not in f.getvalue()
+
+
+_SIGNATURES: dict[tuple[Any, ...], bytes] = {}  # what the ledger's digest takes, by call
+_SIGNATURES_MAX = 4096
+
+
+def _signature_bytes(op: str, shape: tuple[int, ...], dtype: str, check: bool) -> bytes:
+    """What one group collective adds to the cell's ledger digest (kept: a decode
+    step issues the same few signatures over and over)."""
+    key = (op, shape, dtype, check)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) >= _SIGNATURES_MAX:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = f"{op}{tuple(shape)}{dtype}{check};".encode()
+    return sig
 
 
 def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str, int | None]:
