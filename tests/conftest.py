@@ -158,5 +158,13 @@ def is_ours(p: psutil.Process) -> bool:
         return False
     return any(
         k in cmd
-        for k in ("ipyparallel", "ipengine", "ipcontroller", "mpirun", "prterun", "mlx_nbdist.engine")
+        for k in (
+            "ipyparallel",
+            "ipengine",
+            "ipcontroller",
+            "mpirun",
+            "prterun",
+            "mlx_nbdist.engine.local_entry",
+            "mlx_nbdist.engine.mpi_entry",
+        )
     )

@@ -18,7 +18,7 @@ from jupyter_client.manager import KernelManager
 from mlx_nbdist import autopx
 from mlx_nbdist.kernel import kernel_spec
 
-from .conftest import strip_ansi, wait_gone
+from .conftest import is_ours, strip_ansi, wait_gone
 
 
 @pytest.mark.parametrize(
@@ -297,16 +297,15 @@ def test_kernel_shutdown_by_kill_leaves_nothing(dist_kernel: Kernel) -> None:
 
 
 def _ours() -> list[int]:
-    """ipyparallel processes started by kernels of this test run (they inherit its PID)."""
+    """ipyparallel processes (and our engines) started by kernels of this test run
+    (they inherit its PID)."""
     import os
 
     me = str(os.getpid())
     out = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter():
         try:
-            if "ipyparallel" in " ".join(p.info["cmdline"] or []) and (
-                p.environ().get("JPY_PARENT_PID") == me
-            ):
+            if is_ours(p) and p.environ().get("JPY_PARENT_PID") == me:
                 out.append(p.pid)
         except psutil.Error:
             pass

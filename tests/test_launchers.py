@@ -152,43 +152,46 @@ def test_a_local_engine_waits_for_a_connection_file_the_controller_is_still_writ
     tmp_path,
 ) -> None:
     """ipengine reads the file as soon as it exists: caught mid-write (a CI start was
-    lost so) it exits with JSONDecodeError. The local launcher's entry waits until the
-    file is whole and registers at the address in it."""
+    lost so) it exits with JSONDecodeError. The local launcher's engines wait until the
+    file is whole and register at the address in it."""
     security = tmp_path / "profile" / "security"
     security.mkdir(parents=True)
     url_file = security / "ipcontroller-t-engine.json"
     url_file.write_text('{"ssh": "", "interface": "tcp://127.0.0.1", "regis')  # cut
-    cmd = LocalLauncher(2).cluster_kwargs(tmp_path)["config"].LocalEngineSetLauncher.engine_cmd
-    proc = subprocess.Popen(
-        [*cmd, f"--profile-dir={tmp_path / 'profile'}", "--cluster-id=t", "--log-level=20"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # the command of the engine-set launcher a local session's cluster is given
+    engine_set = LocalLauncher(n=2).cluster_kwargs(tmp_path)["engine_launcher_class"]
+    cmd = engine_set(n=2).engine_cmd
+    args = [*cmd, f"--profile-dir={tmp_path / 'profile'}", "--cluster-id=t", "--log-level=20"]
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
-        time.sleep(1.0)  # the engine is up and reads the cut file, over and over
-        assert proc.poll() is None, "".join(lines)
-        whole = {
-            "ssh": "",
-            "interface": "tcp://127.0.0.1",
-            "registration": 1,  # nothing listens: the engine only has to try
-            "location": "127.0.0.1",
-            "key": "",
-            "signature_scheme": "hmac-sha256",
-            "pack": "json",
-            "unpack": "json",
-        }
-        url_file.write_text(json.dumps(whole))
-        t_end = time.monotonic() + 30
-        while time.monotonic() < t_end and not any("Registering" in x for x in lines):
+
+    def until(text: str) -> bool:
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end and not any(text in x for x in lines):
+            if proc.poll() is not None:
+                time.sleep(0.2)  # the reader's last lines
+                break
             time.sleep(0.05)
-        assert any("Registering with controller at tcp://127.0.0.1:1" in x for x in lines), (
-            "".join(lines)
-        )
-        assert not any("JSONDecodeError" in x for x in lines)
-    finally:
-        proc.kill()
-        proc.wait(10)
-        reader.join(10)
+        return any(text in x for x in lines)
+
+    with subprocess.Popen(args, stderr=subprocess.PIPE, text=True) as proc:
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        try:
+            assert until("is not whole yet: waiting"), "".join(lines)
+            whole = {
+                "ssh": "",
+                "interface": "tcp://127.0.0.1",
+                "registration": 1,  # nothing listens: the engine only has to try
+                "location": "127.0.0.1",
+                "key": "",
+                "signature_scheme": "hmac-sha256",
+                "pack": "json",
+                "unpack": "json",
+            }
+            url_file.write_text(json.dumps(whole))
+            assert until("Registering with controller at tcp://127.0.0.1:1"), "".join(lines)
+            assert not any("JSONDecodeError" in x for x in lines)
+        finally:
+            proc.kill()
+            proc.wait(10)
+            reader.join(10)

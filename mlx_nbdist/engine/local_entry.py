@@ -15,16 +15,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import CONNECTION_FILE_POLL_S
 
 
-def wait_whole(path: str | Path, timeout: float, poll: float = CONNECTION_FILE_POLL_S) -> bool:
+def wait_whole(
+    path: str | Path,
+    timeout: float,
+    poll: float = CONNECTION_FILE_POLL_S,
+    on_wait: Callable[[], None] = lambda: None,
+) -> bool:
     """Wait up to ``timeout`` s until ``path`` holds one whole JSON document; whether
     it does (``False``: missing or cut when the time ran out, left to ipengine's own
-    error)."""
+    error). ``on_wait`` is called once, when the first read finds it not whole."""
     t_end = time.monotonic() + timeout
+    waited = False
     while True:
         try:
             json.loads(Path(path).read_text())
@@ -32,20 +39,29 @@ def wait_whole(path: str | Path, timeout: float, poll: float = CONNECTION_FILE_P
         except (OSError, ValueError):
             if time.monotonic() >= t_end:
                 return False
+            if not waited:
+                waited = True
+                on_wait()
         time.sleep(poll)
 
 
 def main() -> None:
     """Run the ipyparallel engine app with a connection-file reader that waits."""
-    from ipyparallel.engine.app import IPEngine
+    from ipyparallel.engine.app import IPEngine as Base
 
-    class Engine(IPEngine):
+    class IPEngine(Base):  # the same name: the engine's log lines and config sections
         def load_connection_file(self) -> None:
             if not self.connection_info_env:
-                wait_whole(self.url_file, self.wait_for_url_file)
+                wait_whole(
+                    self.url_file,
+                    self.wait_for_url_file,
+                    on_wait=lambda: self.log.info(
+                        "Connection file %r is not whole yet: waiting", self.url_file
+                    ),
+                )
             super().load_connection_file()
 
-    Engine.launch_instance()
+    IPEngine.launch_instance()
 
 
 if __name__ == "__main__":
