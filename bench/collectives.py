@@ -109,7 +109,7 @@ def plain_script(backend: str) -> dict[int, float]:
         script = Path(d) / "bench_allsum.py"
         script.write_text(SCRIPT.format(sizes=_sizes()))
         if backend == "ring":  # mlx.launch execs its command: name the interpreter
-            out, _ = mlx_launch(2, [sys.executable, str(script), "ring"], ok=_parses, tries=2)
+            out, _, _ = mlx_launch(2, [sys.executable, str(script), "ring"], ok=_parses, tries=2)
             return _parse(out)
         cmd = [*_mpirun(), sys.executable, str(script), "mpi"]
         env = {"MLX_MPI_LIBNAME": _libmpi()}

@@ -92,12 +92,14 @@ def bin_path(name: str) -> str:
 
 
 def mlx_launch(n: int, command: list[str], ok: Callable[[str], bool],
-               failed: list[str] | None = None, tries: int = 3) -> tuple[str, float]:
+               failed: list[str] | None = None, tries: int = 3,
+               env: dict[str, str] | None = None) -> tuple[str, float, str]:
     """Run ``command`` as ``n`` ring ranks under ``mlx.launch`` on free ports: its
-    stdout and the seconds it took. ``mlx.launch`` exits 0 even when a rank failed
-    (seen: a port taken between choosing and binding it; a run that printed nothing),
-    so ``ok(stdout)`` judges the run; a failed one is noted in ``failed`` (exit code,
-    stderr's tail) and run again on fresh ports, ``tries`` runs in all."""
+    stdout, the seconds it took and its stderr. ``mlx.launch`` exits 0 even when a
+    rank failed (seen: a port taken between choosing and binding it; a run that
+    printed nothing), so ``ok(stdout)`` judges the run; a failed one is noted in
+    ``failed`` (exit code, stderr's tail) and run again on fresh ports, ``tries`` runs
+    in all. ``env``: variables added to this process's environment."""
     from mlx_nbdist.engine.rpc import free_ports
 
     notes = failed if failed is not None else []
@@ -105,10 +107,11 @@ def mlx_launch(n: int, command: list[str], ok: Callable[[str], bool],
         cmd = [bin_path("mlx.launch"), "--backend", "ring", "-n", str(n),
                "--starting-port", str(free_ports(["127.0.0.1"])[0]), "--", *command]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **(env or {})})
         elapsed = time.perf_counter() - t0
         if p.returncode == 0 and ok(p.stdout):
-            return p.stdout, elapsed
+            return p.stdout, elapsed, p.stderr
         notes.append(f"exit {p.returncode}: {p.stderr.strip()[-500:]}")
     raise RuntimeError(f"mlx.launch failed {tries} times:\n" + "\n".join(notes))
 
