@@ -378,6 +378,10 @@ def test_dead_and_hung_ranks_show_within_seconds(fresh2: Session) -> None:
 
 
 def test_interrupt_button_during_a_cell_and_between_cells(fresh2: Session) -> None:
+    # ranks get 10 s to stop on SIGINT, not 2: a loaded CI machine once took longer to
+    # reply (the rank was ended: EngineError); an interrupt they never take still
+    # ends them and fails the test
+    fresh2.policy = fresh2.policy.updated({"interrupt_grace": 10.0})
     dash = Dashboard(fresh2, interval=0.2, subshell=False)
     try:
         assert dash.interrupt() == "no rank is busy: nothing to interrupt"
@@ -396,7 +400,9 @@ def test_interrupt_button_during_a_cell_and_between_cells(fresh2: Session) -> No
         assert time.monotonic() - t0 < 100  # well before the 120 s sleep would end
         assert live.interrupt_delivered.is_set()
         assert "interrupting the running cell" in dash.values()["message"]
-        assert {f.ename for f in err.value.result.failures} <= {"KeyboardInterrupt", ""}
+        assert {f.ename for f in err.value.result.failures} <= {"KeyboardInterrupt", ""}, str(
+            err.value
+        )
 
         # between cells: a rank still busy (a call from another thread) gets SIGINT
         fresh2.run("1") if fresh2.state == "ready" else fresh2.restart()
