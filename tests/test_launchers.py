@@ -62,6 +62,7 @@ def test_mpi_two_ranks_with_mpi4py_and_failure_drain() -> None:
     s = Session(2, backend="mpi", timeout=60).start()
     try:
         assert s.launcher == "mpi"
+        assert s.spare_state == "none"  # spares are kept for local engines only
         check_collectives(s)
         r = s.run("from mpi4py import MPI\nprint(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())")
         assert [r.stdout(k).split() for k in (0, 1)] == [["0", "2"], ["1", "2"]]

@@ -153,9 +153,9 @@ def test_start_without_a_spare(ip, capfd) -> None:
     res, out, _ = run(ip, "%mlxdist start -n 1 --no-spare", capfd)
     assert res.success, out
     s = api.current_session()
-    assert s.spare is False and s.spare_state == ""
+    assert s.spare is False and s.spare_state == "off"
     res, out, _ = run(ip, "%mlxdist status", capfd)
-    assert "spare" not in out
+    assert "spare engines for the next restart: off (spare=False): a restart starts new" in out
     run(ip, "%mlxdist stop", capfd)
 
 

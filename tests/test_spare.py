@@ -133,9 +133,12 @@ def test_no_spare_when_asked() -> None:
     try:
         s.start()
         time.sleep(1.5)
-        assert s.spare_state == ""
+        assert s.spare_state == "off"
+        assert "spare engines for the next restart: off (spare=False)" in format_status(
+            s.status()
+        )
         s.restart()
-        assert s.spare_state == ""
+        assert s.spare_state == "off"
         _sums_right(s)
     finally:
         s.stop()

@@ -721,6 +721,9 @@ def test_status_text_of_a_session():
     st.spare = "ready"
     assert format_status(st, now=92.5).splitlines()[1] == (
         "  spare engines for the next restart: ready: a restart only forms the group")
+    st.spare = "off"
+    assert format_status(st, now=92.5).splitlines()[1] == (
+        "  spare engines for the next restart: off (spare=False): a restart starts new engines")
     assert format_group(st) == "MLX group ready: 2 ranks, backend=ring, launcher=local, session s1"
     assert format_group(st, ranks=True).splitlines()[2] == (
         "  rank 1: Device(cpu, 0) on h, pid 101, engine 11")

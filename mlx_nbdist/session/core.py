@@ -445,8 +445,13 @@ class Session:
     @property
     def spare_state(self) -> str:
         """``ready`` (a restart only forms the group), ``starting``, ``failed`` (a
-        restart starts new engines), or ``""`` (none)."""
-        return self._spare.state if self._spare is not None else ""
+        restart starts new engines), ``off`` (``spare=False``), ``none`` (only
+        local engines keep one: not over ssh or mpirun), or ``""`` (none yet)."""
+        if self._spare is not None:
+            return self._spare.state
+        if not self.spare:
+            return "off"
+        return "" if self._spare_wanted() else "none"
 
     def _teardown(self) -> None:
         cluster, group = self.cluster, self.group

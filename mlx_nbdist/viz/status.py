@@ -103,6 +103,8 @@ def format_status(st: StatusFacts, now: float | None = None) -> str:
         done = {
             "ready": "ready: a restart only forms the group",
             "failed": "failed: a restart starts new engines",
+            "off": "off (spare=False): a restart starts new engines",
+            "none": "none (kept for local engines only): a restart starts new engines",
         }.get(st.spare, st.spare)
         lines.append(f"  spare engines for the next restart: {done}")
     now = time.time() if now is None else now
