@@ -3,7 +3,6 @@ plus ``mx.distributed.init``, versus ``mlx.launch`` of an empty script."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -84,19 +83,15 @@ def main() -> dict:
         row = {}
         failed: list[str] = []
         retried: list[bool] = []
-        for name, fn, reps in (
-            ("%mlxdist start + first all_sum", ours, REPS),
-            ("bare ipp.Cluster + init + all_sum", bare, REPS),
-            # bimodal (MLX's ring retry or not): more runs for its median
-            ("mlx.launch empty script", functools.partial(launched, failed=failed,
-                                                          retried=retried), 3 * REPS),
-        ):
-            samples = [fn(n) for _ in range(reps)]
-            row[name] = stats(samples)
-        launch = row["mlx.launch empty script"]
+        for name, fn in (("%mlxdist start + first all_sum", ours),
+                         ("bare ipp.Cluster + init + all_sum", bare)):
+            row[name] = stats([fn(n) for _ in range(REPS)])
+        # bimodal (MLX's ring retry or not): more runs for its median
+        times = [launched(n, failed, retried) for _ in range(3 * REPS)]
+        launch = row["mlx.launch empty script"] = stats(times)
         launch["failed"] = failed  # runs not counted (retried)
         launch["ring retries"] = sum(retried)
-        clean = [t for t, r in zip(samples, retried, strict=True) if not r]
+        clean = [t for t, r in zip(times, retried, strict=True) if not r]
         launch["median without ring retry"] = statistics.median(clean) if clean else None
         out[f"{n} ranks"] = row
     return out
