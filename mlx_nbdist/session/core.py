@@ -108,7 +108,8 @@ class SessionStatus:
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     alive: dict[int, bool] = field(default_factory=dict)
     live: dict[int, RankState] = field(default_factory=dict)
-    #: the next restart's engines: ``ready``, ``starting``, ``failed`` or ``""`` (none)
+    #: the next restart's engines: ``ready``, ``starting``, ``failed``, ``off``,
+    #: ``none`` or ``""`` (see :attr:`Session.spare_state`)
     spare: str = ""
 
 
