@@ -107,6 +107,10 @@ class Policy:
     drain_timeout: float = 3.0
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
+    #: meanwhile, how often SIGINT is sent again to ranks still running (one that
+    #: arrived before a rank took the cell's request was lost; a rank takes one per
+    #: cell, so a repeat never breaks its ``except``/``finally`` blocks); 0: never
+    interrupt_resend: float = 0.5
     #: how long every rank must answer the alignment check after a drain or stop
     align_timeout: float = 5.0
     #: ranks that all wait to receive from each other, none moving (same records, same

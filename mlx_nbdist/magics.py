@@ -502,7 +502,7 @@ class MLXDist(Magics):
                     name=f"In [{_cell_number(self.shell)}]",
                     profile=args.profile,
                 )
-        except ValueError as e:  # bad --timeout
+        except ValueError as e:  # bad --timeout, or await outside a function
             raise UsageError(f"%%mlxdist: {e}") from None
         except MLXDistError as e:
             partial = getattr(e, "result", None)

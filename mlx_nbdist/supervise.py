@@ -12,7 +12,10 @@ so it can:
   (SIGSTOP, a debugger) and was dropped by the controller, the controller or one
   of its schedulers dying, and ranks that all wait to receive from each other;
 * at the deadline or on the user's interrupt, send SIGINT first (a rank running
-  Python stops), drain what waits on it, and end only what still runs.
+  Python stops; it is sent again while ranks run, since one that arrived before a
+  rank took the request is lost, and a rank takes one per cell: see
+  :mod:`mlx_nbdist.engine.interrupts`), drain what waits on it, and end only what
+  still runs.
 
 A drain, or any stop that left the group in use, sets ``needs_alignment``: the
 session then trusts the group only once every rank has answered an alignment check
@@ -430,9 +433,14 @@ class Supervisor:
         try:
             self._take_stacks(pending)  # where the deadline or the interrupt found them
             self.s.kill_ranks(pending, signal.SIGINT)
-            t_end = time.monotonic() + self.policy.interrupt_grace
+            sent = time.monotonic()
+            t_end = sent + self.policy.interrupt_grace
+            resend = self.policy.interrupt_resend
             while self._running() and time.monotonic() < t_end:
-                self._wait(self._running(), 0.1)
+                self._wait(self._running(), min(0.1, resend or 0.1))
+                if resend and self._running() and time.monotonic() - sent >= resend:
+                    self.s.kill_ranks(self._running(), signal.SIGINT)
+                    sent = time.monotonic()
             still = self._running()
             finished = [r for r in self.futures if r not in still]
             stuck = [r for r in still if self._in_collective(r)]

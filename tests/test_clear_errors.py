@@ -141,6 +141,39 @@ def test_timeouts_that_are_not_deadlines_are_refused(on, capfd, flag: str) -> No
     assert "ran on" not in out
 
 
+@pytest.mark.parametrize(("body", "line"), [
+    ("await asyncio.sleep(0)", 2),
+    ("async with contextlib.AsyncExitStack():\n    pass", 2),
+    ("for i in range(1):\n    [x async for x in agen()]", 3),
+])
+def test_await_outside_a_function_is_refused_before_any_rank_runs(on, capfd, body, line) -> None:
+    # an engine never finishes a cell run as a coroutine: it hung until the deadline
+    cell = f"%%mlxdist\nprint('ran on', rank)\n{body}"
+    res, out, err = run(on, cell, capfd)
+    assert_one_line_usage_error(res, out, err, f"line {line} of the cell uses await", "thread")
+    assert "ran on" not in out
+
+
+def test_the_way_the_await_error_suggests_runs_the_coroutine(on, capfd) -> None:
+    cell = (
+        "%%mlxdist\nimport asyncio, concurrent.futures\n"
+        "async def main():\n    await asyncio.sleep(0.01)\n    return rank * 10\n"
+        "print('got', concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, main())"
+        ".result())"
+    )
+    res, out, err = run(on, cell, capfd)
+    assert res.success and "got 0" in out and "got 10" in out, (out, err)
+
+
+def test_only_await_outside_a_function_counts() -> None:
+    from mlx_nbdist.cellcheck import top_level_await
+
+    assert top_level_await("async def f():\n    await g()\nx = lambda: 1") is None
+    assert top_level_await("%time x = 1\n!ls\nclass A:\n    y = 2") is None
+    assert top_level_await("x = 1\nclass A:\n    y = await g()") == 3
+    assert top_level_await("def f(:") is None  # the ranks report the syntax error
+
+
 def test_timeout_zero_still_means_no_deadline(on, capfd) -> None:
     res, out, err = run(on, "%%mlxdist --timeout 0\nprint('ran on', rank)", capfd)
     assert res.success and "ran on 0" in out and "ran on 1" in out, (out, err)

@@ -18,7 +18,7 @@ import pytest
 from mlx_nbdist import CellError, CellInterrupted, CollectiveTimeout, Session, SessionBrokenError
 from mlx_nbdist.results import DIED, DRAINED, ERROR, KILLED
 
-from .conftest import session_pids, wait_gone
+from .conftest import session_pids, strip_ansi, wait_gone
 
 ALL_SUM_OK = "y = mx.distributed.all_sum(mx.ones(3) * (rank + 1), group=world); print(y.tolist())"
 
@@ -216,6 +216,55 @@ def test_where_shows_every_rank_while_a_cell_hangs(fresh2: Session) -> None:
     assert stacks[1].format().splitlines()[0].endswith(", line 3, in wait_here")
     after = fresh2.where()  # between cells: idle, and the session still works
     assert all(st.note.startswith("idle") for st in after.values()), after
+    assert_works(fresh2)
+
+
+def test_an_interrupt_while_ranks_start_their_cell_still_stops_it(fresh2: Session) -> None:
+    # IPython catches a KeyboardInterrupt raised in a pre_run_cell callback (where a
+    # rank starts its cell) and runs the cell anyway: the rank was then ended after its
+    # grace (EngineError, the session broken). Held until the cell's first statement,
+    # the interrupt stops the cell and the session stays usable.
+    fresh2.run(
+        "import time\ndef _slow_start(info):\n    time.sleep(1.5)\n"
+        "get_ipython().events.register('pre_run_cell', _slow_start)"
+    )
+    old = _interrupt_after(0.6)  # inside _slow_start, after our own callback began the cell
+    try:
+        with pytest.raises(CellInterrupted) as info:
+            fresh2.run("import time\ntime.sleep(60)\nprint('never')", timeout=120)
+    finally:
+        _no_interrupt(old)
+    result = info.value.result
+    assert {f.ename for f in result.failures} == {"KeyboardInterrupt"}, str(info.value)
+    # nothing printed: neither IPython's report of an interrupt it swallowed ("Error in
+    # callback ...") nor the cell's own line
+    assert [result.stdout(r) for r in (0, 1)] == ["", ""], str(info.value)
+    # the traceback is the cell's own, at its first line, not mlx_nbdist's
+    tb = strip_ansi("\n".join(result.failures[0].traceback))
+    assert "----> 1 import time" in tb and "mlx_nbdist/engine" not in tb, tb
+    assert fresh2.state == "ready"
+    fresh2.run("get_ipython().events.unregister('pre_run_cell', _slow_start)")
+    assert_works(fresh2)
+
+
+def test_a_rank_takes_one_interrupt_a_cell_so_repeats_spare_its_cleanup(fresh2: Session) -> None:
+    # SIGINT is sent again every 0.5 s while ranks run (one that arrives before a rank
+    # took the request is lost); a second one must not break the cell's except block
+    code = (
+        "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n"
+        "    time.sleep(1.2)\n    print('cleaned up')\n    raise\n"
+    )
+    fresh2.policy = fresh2.policy.updated({"interrupt_grace": 5.0})
+    old = _interrupt_after(1.0)
+    try:
+        with pytest.raises(CellInterrupted) as info:
+            fresh2.run(code, timeout=120)
+    finally:
+        _no_interrupt(old)
+    result = info.value.result
+    assert [result.stdout(r) for r in (0, 1)] == ["cleaned up\n"] * 2, str(info.value)
+    assert {f.ename for f in result.failures} == {"KeyboardInterrupt"}, str(info.value)
+    assert fresh2.state == "ready"
     assert_works(fresh2)
 
 

@@ -183,6 +183,27 @@ def test_deadline_sends_sigint_before_sigkill() -> None:
     assert [sig for _, sig in fake.signals] == [signal.SIGINT, signal.SIGKILL]
 
 
+def test_sigint_is_sent_again_to_ranks_still_running_until_they_stop() -> None:
+    # a SIGINT that reached a rank before it took the cell's request is lost: the
+    # third one stops rank 1 here; rank 0 stopped on the first and gets no more
+    fake = FakeRanks()
+    kill = fake.kill_ranks
+
+    def kill_ranks(ranks, sig):
+        kill(ranks, sig)
+        if sig == signal.SIGINT:
+            if 0 in ranks and not fake.futures[0].done():
+                fake.finish(0, KeyboardInterrupt())
+            if len([s for s in fake.signals if 1 in s[0]]) == 3:
+                fake.finish(1, KeyboardInterrupt())
+
+    fake.kill_ranks = kill_ranks  # type: ignore[method-assign]
+    policy = Policy(timeout=0.1, **{**FAST, "interrupt_grace": 5.0, "interrupt_resend": 0.1})
+    out = Supervisor(fake, fake.futures, policy, cell=fake.cell).wait()
+    assert fake.signals == [([0, 1], signal.SIGINT), ([1], signal.SIGINT), ([1], signal.SIGINT)]
+    assert out.timed_out and not out.failures and not out.broken
+
+
 def test_the_deadline_takes_stuck_ranks_stacks_once_before_any_signal() -> None:
     fake = FakeRanks(n=3)
     fake.finish(0)

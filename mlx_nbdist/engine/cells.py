@@ -7,6 +7,9 @@ them around the function. The session sends a cell's metadata (cell number, acti
 ranks, check mode, output limit) as the execute request's label, or as ``call``'s
 first argument.
 
+A SIGINT that arrives while a cell starts is held until its first statement, and a
+cell takes one SIGINT (see :mod:`.interrupts`).
+
 A cell whose metadata has ``"profile": true`` (``%%mlxdist --profile``) is timed: a
 :class:`~.profile.Recorder` is installed on the tracker for the cell, and its events
 are published at the end next to the ledger (see :mod:`.profile` for what that
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import output, state
+from . import interrupts, output, state
 
 #: the key of a cell's ledger among the data a rank publishes (``md["data"]``)
 LEDGER_KEY = "mlx_nbdist.ledger"
@@ -73,9 +76,11 @@ def install_hooks(ip: Any) -> None:
     """Run :func:`begin` and :func:`finish` around every cell of the shell ``ip``."""
 
     def pre_run_cell(info: Any) -> None:
+        interrupts.hold()  # IPython would swallow a KeyboardInterrupt raised in here
         begin(_meta(ip))
 
     def post_run_cell(result: Any) -> None:
+        interrupts.done()
         finish("ok" if result.success else type(result.error_in_exec).__name__)
 
     def number_as_notebook(lines: list[str]) -> list[str]:
@@ -89,6 +94,7 @@ def install_hooks(ip: Any) -> None:
 
     ip.events.register("pre_run_cell", pre_run_cell)
     ip.events.register("post_run_cell", post_run_cell)
+    ip.ast_transformers.append(interrupts.prelude())
     ip.input_transformers_cleanup.append(number_as_notebook)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cells, state, transfer
+from . import cells, interrupts, state, transfer
 from .bootstrap import bootstrap, free_ports, machine_id, probe, warm
 from .transfer import pool_state, settle
 
@@ -73,15 +73,24 @@ class WrongObjectError(TypeError):
 
 
 def call(meta: dict[str, Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` for :meth:`Session.apply` with the cell's metadata in effect."""
-    cells.begin(meta)
+    """Run ``fn`` for :meth:`Session.apply` with the cell's metadata in effect; a
+    SIGINT is held until ``fn`` starts, and ``fn`` takes one (:mod:`.interrupts`)."""
+    interrupts.hold()
+    try:
+        cells.begin(meta)
+    except BaseException:
+        interrupts.done()
+        raise
     status = "ok"
     try:
+        if interrupts.enter_body():
+            raise KeyboardInterrupt
         return fn(*args, **kwargs)
     except BaseException as e:
         status = type(e).__name__
         raise
     finally:
+        interrupts.done()
         cells.finish(status)
 
 

@@ -38,6 +38,7 @@ import psutil
 from .. import _ipp, config, launchers, runtime
 from .. import hosts as _hosts
 from ..backend_check import check_mlx
+from ..cellcheck import refuse_top_level_await
 from ..client.transfer import Receiver, discard
 from ..engine import rpc
 from ..enums import TextEnum
@@ -807,9 +808,11 @@ class Session:
                 did not match (``err.result`` holds every rank's output);
                 ``CollectiveTimeout`` at the deadline and ``CellInterrupted`` on
                 interrupt are subclasses.
-            ValueError: a bad ``timeout`` or ``ranks``.
+            ValueError: a bad ``timeout`` or ``ranks``; ``await`` outside a function
+                (engines never finish such a cell).
         """
         deadline = self._deadline(timeout)
+        refuse_top_level_await(code)
         check = self.check_collectives if check_collectives is None else check_collectives
         with self._run_lock:
             group = self._require()
