@@ -64,7 +64,7 @@ from .cluster import Cluster
 from .formation import RankPlace
 from .profile import Profiles
 from .ranks import RankGroup
-from .spare import Spare
+from .spare import Spare, SpareState
 
 
 class SessionState(TextEnum):
@@ -109,8 +109,7 @@ class SessionStatus:
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     alive: dict[int, bool] = field(default_factory=dict)
     live: dict[int, RankState] = field(default_factory=dict)
-    #: the next restart's engines: ``ready``, ``starting``, ``failed``, ``off``,
-    #: ``none`` or ``""`` (see :attr:`Session.spare_state`)
+    #: the next restart's engines (see :attr:`Session.spare_state`)
     spare: str = ""
 
 
@@ -445,15 +444,15 @@ class Session:
         return not self._busy and time.monotonic() - self._idle_since >= config.SPARE_AFTER
 
     @property
-    def spare_state(self) -> str:
+    def spare_state(self) -> SpareState:
         """``ready`` (a restart only forms the group), ``starting``, ``failed`` (a
         restart starts new engines), ``off`` (``spare=False``), ``none`` (only
         local engines keep one: not over ssh or mpirun), or ``""`` (none yet)."""
         if self._spare is not None:
             return self._spare.state
         if not self.spare:
-            return "off"
-        return "" if self._spare_wanted() else "none"
+            return SpareState.OFF
+        return SpareState.NOT_YET if self._spare_wanted() else SpareState.NONE
 
     def _teardown(self) -> None:
         cluster, group = self.cluster, self.group

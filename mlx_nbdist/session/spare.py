@@ -23,7 +23,19 @@ import threading
 from collections.abc import Callable
 
 from .. import runtime
+from ..enums import TextEnum
 from .cluster import Cancelled, Cluster
+
+
+class SpareState(TextEnum):
+    """Where a session's spare stands (``%mlxdist status``); compares equal to its value."""
+
+    READY = "ready"  # a restart only forms the group
+    STARTING = "starting"
+    FAILED = "failed"  # a restart starts new engines
+    OFF = "off"  # spare=False
+    NONE = "none"  # kept for local engines only (not over ssh or mpirun)
+    NOT_YET = ""  # wanted, not started yet (it waits for the session to be idle)
 
 #: how often the thread asks whether it may start, seconds
 POLL = 0.05
@@ -82,11 +94,11 @@ class Spare:
         )
 
     @property
-    def state(self) -> str:
+    def state(self) -> SpareState:
         """``starting``, ``ready`` or ``failed``."""
         if self._thread.is_alive():
-            return "starting"
-        return "ready" if self.ready else "failed"
+            return SpareState.STARTING
+        return SpareState.READY if self.ready else SpareState.FAILED
 
     def take(self) -> Cluster | None:
         """Wait for the spare; its cluster when it came up, else ``None`` (and whatever
