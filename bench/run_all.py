@@ -231,19 +231,28 @@ def section_dashboard(d: dict) -> list[str]:
            "alternating blocks; execute_request to execute_reply at the front end. "
            "*Paired*: the median over pairs of blocks (a closed block, then an open one) "
            "of the ratio of their medians, with a 90 % interval from resampling the "
-           "pairs; *pooled*: the ratio of the medians of all open and all closed cells.",
+           "pairs; *pooled*: the ratio of the medians of all open and all closed cells. "
+           "*Its CPU*: the polling thread's CPU time in refreshes over the time the "
+           "dashboard was open: a refresh delays a cell only when they overlap, so this "
+           "share bounds what it costs a cell of any length on a saturated machine.",
            "",
            "| cell | closed (median / p95) | open (median / p95) | pooled | paired "
-           "(90 % interval) |",
-           "|---|---|---|---|---|"]
+           "(90 % interval) | its CPU |",
+           "|---|---|---|---|---|---|"]
     for what, row in d.items():
         c, o = row["closed"], row["open"]
         pooled = row.get("pooled ratio", row["ratio"])
         paired = (f"{row['ratio']:.3f}x ({row['interval'][0]:.3f}-{row['interval'][1]:.3f}, "
                   f"{row['pairs']} pairs)" if "interval" in row else "-")
         out.append(f"| {what} | {ms(c['median'])} / {ms(c['p95'])} | "
-                   f"{ms(o['median'])} / {ms(o['p95'])} | {pooled:.3f}x | {paired} |")
+                   f"{ms(o['median'])} / {ms(o['p95'])} | {pooled:.3f}x | {paired} | "
+                   f"{_share(row)} |")
     return out + [""]
+
+
+def _share(row: dict) -> str:
+    share = row.get("refresh cpu share")
+    return "-" if share is None else f"{share * 100:.2f} %"
 
 
 def _goal(rows: list[list[str]], goal: str, value: float | None, limit: float, fmt: str,
@@ -298,12 +307,20 @@ def section_goals(results: dict) -> list[str]:
               f"{row['script']['min']:.0f}-{row['script']['max']:.0f} tok/s",
               lower_is_better=False)
     for what, row in results.get("dashboard_cost", {}).items():
-        noise = (f"90 % interval {(row['interval'][0] - 1) * 100:+.1f} to "
-                 f"{(row['interval'][1] - 1) * 100:+.1f} % (paired blocks)"
-                 if "interval" in row else
-                 f"p95 {row['open']['p95'] / row['closed']['p95']:.3f}x")
-        _goal(rows, f"open dashboard, {what}", (row["ratio"] - 1) * 100, 1.0, "{:+.1f} %",
-              noise)
+        if "interval" not in row:
+            _goal(rows, f"open dashboard, {what}", (row["ratio"] - 1) * 100, 1.0, "{:+.1f} %",
+                  f"p95 {row['open']['p95'] / row['closed']['p95']:.3f}x")
+            continue
+        lo, hi = ((x - 1) * 100 for x in row["interval"])
+        timed = (row["ratio"] - 1) * 100
+        share = row["refresh cpu share"] * 100
+        # timed open vs closed cannot resolve 1 % here: the refreshes' own CPU share
+        # bounds the cost; met when it is under 1 % and the timing does not exclude it
+        met = share <= 1.0 and lo <= 1.0
+        rows.append([f"open dashboard, {what}",
+                     f"{timed:+.1f} % timed; its CPU {share:.2f} %",
+                     "met (its CPU)" if met else "**not met**",
+                     f"timed: 90 % interval {lo:+.1f} to {hi:+.1f} % (paired blocks)"])
     sl = results.get("slices", {}).get("slices(), shared-memory pool")
     _goal(rows, "slices of 2 x 64 MB vs memcpy into new memory",
           sl and sl["of memcpy"], 0.75, "{:.2f}x", f"p95 {ms(sl['p95'])}" if sl else "-",

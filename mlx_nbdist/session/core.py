@@ -554,12 +554,13 @@ class Session:
         if self.group is not None:
             self.group.kill_ranks(ranks, sig)
 
-    def rank_states(self) -> dict[int, RankState]:
-        """Live state of every rank, read from the files the ranks publish."""
+    def rank_states(self, records: dict[int, dict[str, Any]] | None = None) -> dict[int, RankState]:
+        """Live state of every rank, read from the files the ranks publish (or from
+        ``records``, what :meth:`rank_record` just returned for each rank)."""
         out = {}
         g = self.group
         for r in range(self.n):
-            d = self.rank_record(r)
+            d = records[r] if records is not None else self.rank_record(r)
             st = RankState(rank=r, **{k: v for k, v in d.items() if k in _STATE_KEYS})
             st.state = _rank_status(d.get("state"))
             st.recent = [CollectiveRecord.from_dict(x) for x in d.get("recent", [])]

@@ -307,12 +307,12 @@ class Dashboard:
             records: dict[int, dict[str, Any]] = {}
             if s is not None:
                 self._ensure_rows(s.n)
-                states = s.rank_states() if s.directory is not None else {
-                    r: RankState(rank=r) for r in range(s.n)
-                }  # fmt: skip
                 records = (
                     {r: s.rank_record(r) for r in range(s.n)} if s.directory is not None else {}
                 )
+                states = s.rank_states(records) if s.directory is not None else {
+                    r: RankState(rank=r) for r in range(s.n)
+                }  # fmt: skip
                 now = time.time()
                 sstate = s.state
                 if sstate in ("ready", "broken") and s.stopping:
