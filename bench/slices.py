@@ -3,7 +3,8 @@
 ``slices()`` of a local rank: the rank copies the slice into a shared-memory
 segment of its pool that the notebook has mapped already (the notebook's array is
 the segment), or where there is no ``/dev/shm`` the notebook copies it out of the
-rank's memory (Linux ``process_vm_readv``); both timed, interleaved. A third series
+rank's memory (Linux ``process_vm_readv``); both timed, interleaved with memcpy of
+the same bytes in the notebook (into new memory and into reused memory). A third series
 pulls a size no segment fits, so each pull makes new segments (a first pull's cost). The
 comparison returns the same array inside a dataclass, which ipyparallel pickles
 in-band. memcpy of the same bytes is the physical limit.
@@ -12,7 +13,6 @@ in-band. memcpy of the same bytes is the physical limit.
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 
@@ -43,12 +43,18 @@ def main() -> dict:
         mlx_nbdist.slices("big", session=s)  # a first pull: the ranks make segments
         s.apply(rpc.settle)
         routes = s.receiver.routes
-        pool, vm = [], []
-        for _ in range(REPS):  # the two routes interleaved
+        # memcpy of the same bytes, timed between the pulls (same moment, same load)
+        a = np.ones(2 * nbytes // 4, dtype=np.float32)
+        b = np.empty_like(a)
+        np.copyto(b, a)
+        pool, vm, mem, fresh = [], [], [], []
+        for _ in range(REPS):  # the two routes and the two copies interleaved
             pool.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
             routes.remove("pool")  # the route taken where there is no /dev/shm
             vm.append(time_it(lambda: mlx_nbdist.slices("big", session=s)))
             routes.insert(0, "pool")
+            mem.append(time_it(lambda: np.copyto(b, a)))
+            fresh.append(time_it(a.copy))  # new memory: what any transfer of a new array pays
         # the first pull of a slice size: no segment fits, so the notebook reads rank
         # memory while each rank makes a segment in the background (for the next
         # pull). A larger array each time so that no segment fits, old ones dropped.
@@ -66,18 +72,6 @@ def main() -> dict:
         pickled = [time_it(lambda: s.apply(_pickled, "big")) for _ in range(REPS)]
         got = mlx_nbdist.slices("big", session=s)
         assert got[1].data.shape == (nbytes // 4,) and float(got[1].data[0]) == 1.0
-    a = np.ones(2 * nbytes // 4, dtype=np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    mem, fresh = [], []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        mem.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        c = a.copy()  # into new memory: what any transfer of a new array must pay
-        fresh.append(time.perf_counter() - t0)
-        del c
     total = [2 * nbytes] * REPS  # both ranks' slices
     out = {}
     for name, samples, size in (("slices(), shared-memory pool", pool, total),
