@@ -45,8 +45,8 @@ def refuse_top_level_await(code: str) -> None:
     if line is not None:
         raise ValueError(
             f"line {line} of the cell uses await (or async for/with) outside a function: "
-            "ranks are ipyparallel engines, which never finish a cell run as a coroutine "
-            "(it would wait for its deadline and break the group). Run the coroutine to "
-            "completion in a thread instead, e.g. "
-            "concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, main()).result()"
+            "ranks never finish a cell run as a coroutine (ipyparallel engines), and "
+            "asyncio.run() fails there (an event loop runs). Run the coroutine in a "
+            "thread: concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, "
+            "main()).result()"
         )

@@ -80,8 +80,14 @@ class CellError(MLXDistError):
         self.summary = summary
         super().__init__(self._message())
 
+    #: the first line when no rank failed (every rank's code ended without an error,
+    #: yet the cell did not: its collectives did not match, or it was stopped)
+    no_failure = "every rank finished, but the cell failed"
+
     def _message(self) -> str:
-        lines = [f"{len(self.failures)} of {len(self.result.ranks)} ranks failed"]
+        n = len(self.result.ranks)
+        lines = [f"{len(self.failures)} of {n} ranks failed" if self.failures else
+                 self.no_failure]
         lines += [g.headline() for g in self.groups]
         if self.summary:
             lines.append(self.summary)
@@ -206,9 +212,13 @@ def rank_span(ranks: list[int]) -> str:
 class CollectiveTimeout(CellError):
     """A cell ran past its deadline; the stuck ranks were ended."""
 
+    no_failure = "the cell ran past its deadline; every rank stopped"
+
 
 class CellInterrupted(CellError):
     """The user interrupted a cell; ranks that did not stop were ended."""
+
+    no_failure = "the cell was interrupted; every rank stopped (none raised)"
 
 
 def _order_failures(failures: list[RankFailure]) -> list[RankFailure]:

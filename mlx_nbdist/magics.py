@@ -63,7 +63,7 @@ def _positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"needs at least 1 rank, got {n}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
 

@@ -48,7 +48,8 @@ class SegmentKind(TextEnum):
     """What a rank was doing during one segment of its lane."""
 
     COMPUTE = "compute"
-    #: in a collective, waiting for the last rank to arrive
+    #: in a collective, waiting for the last rank to arrive (``waited_for``), or for
+    #: peers that never issued it in the cell (``waited_for`` ``None``: no transfer)
     WAIT = "wait"
     #: in a group collective after every rank arrived: moving data
     COLLECTIVE = "collective"
@@ -139,7 +140,9 @@ class Collective:
 
 @dataclass
 class OpStats:
-    """One op's collectives on one rank (``rank`` ``None``: per-rank means over all)."""
+    """One op's collectives on one rank (``rank`` ``None``: the group's: ``count`` and
+    ``nbytes`` of any rank for a group collective, of all ranks for messages; times
+    and shares are per-rank means)."""
 
     op: str
     rank: int | None
@@ -168,7 +171,8 @@ class CommStats:
     rows: list[OpStats] = field(default_factory=list)
     #: each cell's name as the user saw it (``In [7]``), where it has one
     names: dict[int, str] = field(default_factory=dict)
-    #: collectives issued inside ``mx.compile`` / ``mx.vmap``: counted nowhere else
+    #: collectives issued inside ``mx.compile`` / ``mx.vmap`` (once for the group, as
+    #: the rows count group collectives): counted nowhere else
     untimed: int = 0
 
     def of(self, op: str, rank: int | None = None) -> OpStats | None:
@@ -295,6 +299,11 @@ class CellTimeline:
         waiting = _mean(list(self.wait.values())) / total if total > 0 else 0.0
         if self.waited_for is not None and waiting >= 0.005:
             parts.append(f"{waiting:.0%} waiting, mostly for rank {self.waited_for}")
+        alone = _mean([sum(s.duration for s in lane if s.kind == SegmentKind.WAIT
+                           and s.waited_for is None) for lane in self.lanes.values()])
+        if total > 0 and alone / total >= 0.005:
+            parts.append(f"{alone / total:.0%} in collectives no other rank issued in the "
+                         "cell (peers that failed or skipped them; a drain released them)")
         if self.slowest is not None:
             busy = _busy(self.spans[self.slowest])
             parts.append(
@@ -367,6 +376,7 @@ def build(
         dropped += sum(int(p.get("dropped", 0)) for p in cell.values())
         cell_matched, last_of = _match(number, events, noise)
         matched += cell_matched
+        cell_untimed = 0
         for r, p in cell.items():
             r = int(r)
             start, end = at(r, p["start_ns"]), at(r, p["end_ns"])
@@ -376,7 +386,8 @@ def build(
             spans[r].append((number, start, end))
             lane, n_untimed = _lane(r, number, start, end, events[r], last_of)
             lanes[r] += lane
-            untimed += n_untimed
+            cell_untimed = max(cell_untimed, n_untimed)
+        untimed += cell_untimed  # each rank issues the same ones: counted once, as the group's
     compute = {r: sum(s.duration for s in lanes[r] if s.kind == SegmentKind.COMPUTE)
                for r in ranks}
     wait = {r: sum(s.duration for s in lanes[r] if s.kind == SegmentKind.WAIT) for r in ranks}
@@ -522,6 +533,12 @@ def _lane(
             continue
         if e.ready > cursor:
             out.append(Segment(rank, SegmentKind.COMPUTE, cursor, e.ready, cell))
+        if e.world and (rank, e.index) not in last_of:
+            # no other rank issued it in this cell (a drain's zeros released it, or its
+            # peers failed or issued others): all of it was waiting, nothing to time
+            out.append(Segment(rank, SegmentKind.WAIT, e.ready, e.done, cell, **common))
+            cursor = max(cursor, e.done)
+            continue
         last, who = last_of.get((rank, e.index), (e.ready, None))
         moving = min(max(last, e.ready), e.done)
         if who is not None and moving > e.ready:
@@ -563,6 +580,8 @@ def _stats(
             row["time"] += s.duration
             if s.kind == SegmentKind.WAIT:
                 row["wait"] += s.duration
+                if s.waited_for is None:  # one that met no peer: counted, nothing timed
+                    row["count"] += 1
             else:  # one transfer segment per collective
                 row["count"] += 1
                 row["nbytes"] += s.nbytes
@@ -582,8 +601,11 @@ def _stats(
                                                                "transfer")}
         g = gbps(total["nbytes"], total["transfer"])
         n = len(rows)
-        out.rows.append(OpStats(op, None, int(max(v["count"] for v in rows.values())),
-                                int(max(v["nbytes"] for v in rows.values())),
+        # every rank takes part in each group collective (the group's count is any
+        # rank's); each message is one rank's own (the group's is the sum)
+        of_group = sum if op in P2P else max
+        out.rows.append(OpStats(op, None, int(of_group(v["count"] for v in rows.values())),
+                                int(of_group(v["nbytes"] for v in rows.values())),
                                 total["time"] / n, total["wait"] / n, total["transfer"] / n,
                                 _mean(list(shares.values())), g, ratio(g)))
         for r, v in rows.items():
@@ -659,8 +681,9 @@ def to_chrome_trace(timelines: CellTimeline | Sequence[CellTimeline]) -> dict[st
                         and s.duration > 0:
                     args["gbps"] = round(s.nbytes / s.duration / 1e9, 4)
                 name = _TRACE_NAMES.get(s.kind) or (
-                    f"wait {s.op} for rank {s.waited_for}" if s.kind == SegmentKind.WAIT
-                    else s.op
+                    (f"wait {s.op} for rank {s.waited_for}" if s.waited_for is not None
+                     else f"wait {s.op}: no other rank issued it in this cell")
+                    if s.kind == SegmentKind.WAIT else s.op
                 )
                 events.append({"name": name, "cat": str(s.kind), "ph": "X", "ts": us(s.start),
                                "dur": round(s.duration * 1e6, 3), "pid": r, "tid": 0,

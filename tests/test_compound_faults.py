@@ -324,11 +324,14 @@ def test_a_cell_that_catches_the_interrupt_still_reports_it(fresh2: Session) -> 
 
     old = _interrupt_after(1.5)
     try:
-        with pytest.raises(CellInterrupted):
+        with pytest.raises(CellInterrupted) as info:
             fresh2.run(code, timeout=60)
     finally:
         _no_interrupt(old)
     assert fresh2.state == "ready"
+    # no rank raised: the headline says what happened, not "0 of 2 ranks failed"
+    assert str(info.value).splitlines()[0] == (
+        "the cell was interrupted; every rank stopped (none raised)"), str(info.value)
 
 
 def test_ledgers_of_messages_only_ranks_agree_with_idle_ranks() -> None:

@@ -41,7 +41,8 @@ def test_cell_magic_before_start_is_a_usage_error(ip, capfd) -> None:
     [
         ("%mlxdist", "needs a command"),
         ("%mlxdist frobnicate", "invalid choice: 'frobnicate'"),
-        ("%mlxdist start -n 0", "needs at least 1 rank, got 0"),
+        ("%mlxdist start -n 0", "argument -n: must be at least 1, got 0"),
+        ("%mlxdist timeline 0", "argument k: must be at least 1, got 0"),
         ("%mlxdist start -n two", "'two' is not a whole number"),
         ("%mlxdist start --backend gloo", "invalid choice: 'gloo'"),
         ("%mlxdist start --gpus 2", "unrecognized arguments: --gpus 2"),

@@ -638,6 +638,8 @@ def test_gradsync_data_parallel(s2, ref):
     assert line.startswith(f"this step (each rank): 1 all_sum, {human_bytes(param_bytes)}, ")
     assert "x probe)" in line
     assert line in str(g).splitlines() and line in fig.get_suptitle().splitlines()
+    # its table is named after the call, not an internal cell number
+    assert str(g.comm).startswith("collectives of gradsync('gdp') on ring"), str(g.comm)
 
 
 def test_gradsync_tensor_parallel_and_a_desynced_replica(s2, ref, tmp_path):

@@ -252,11 +252,56 @@ def test_untimed_collectives_are_instants_not_durations() -> None:
     tl = build([cell])
     marks = [s for s in tl.lanes[0] if s.kind == SegmentKind.UNTIMED]
     assert len(marks) == 1 and marks[0].duration == 0
-    assert tl.collectives == [] and tl.stats.rows == [] and tl.untimed == 2
+    # each rank issued the same one: counted once for the group, as group collectives are
+    assert tl.collectives == [] and tl.stats.rows == [] and tl.untimed == 1
     assert "not timed" in tl.summary()
     doc = to_chrome_trace(tl)
     instants = [e for e in doc["traceEvents"] if e["ph"] == "i"]
     assert len(instants) == 2 and trace_problems(doc) == []
+
+
+def test_messages_are_summed_over_ranks_in_the_groups_row() -> None:
+    # every message is one rank's own (a group collective is every rank's): rank 0
+    # sends 24 B twice and receives 8 B; rank 1 receives both and sends the 8 B
+    def msg(op: str, t: float, index: int, nbytes: int, peer: int) -> dict[str, Any]:
+        return event(op, t, t + 0.01, index=index, nbytes=nbytes, peer=peer, shape=(nbytes // 4,))
+
+    cell = {
+        0: record(0, 1, 0, 1, [msg("send", 0.1, 1, 24, 1), msg("send", 0.2, 2, 24, 1),
+                               msg("recv", 0.3, 3, 8, 1)]),
+        1: record(1, 1, 0, 1, [msg("recv", 0.1, 1, 24, 0), msg("recv", 0.2, 2, 24, 0),
+                               msg("send", 0.3, 3, 8, 0)]),
+    }
+    st = build([cell]).stats
+    assert (st.of("send").count, st.of("send").nbytes) == (3, 56)
+    assert (st.of("recv").count, st.of("recv").nbytes) == (3, 56)
+    assert (st.of("send", 0).count, st.of("send", 1).count) == (2, 1)
+    # a group collective stays any rank's count
+    cell = {r: record(r, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1, nbytes=16)])
+            for r in (0, 1)}
+    assert (build([cell]).stats.of("all_sum").count, build([cell]).stats.of("all_sum").nbytes
+            ) == (1, 16)
+
+
+def test_a_collective_no_other_rank_issued_is_waiting_not_a_transfer() -> None:
+    # rank 0 raised before its all_sum; rank 1 waited in it until a drain's zeros
+    # released it 2.1 s later: no bandwidth to show for that
+    cell = {
+        0: record(0, 1, 0, 0.05, []),
+        1: record(1, 1, 0, 2.3, [event("all_sum", 0.1, 2.2, index=1, nbytes=24, shape=(6,))]),
+    }
+    tl = build([cell])
+    (row,) = [r for r in tl.stats.rows if r.rank is None]
+    assert row.count == 1 and row.gbps is None and row.transfer == 0
+    assert row.wait == pytest.approx(2.1, abs=1e-6)
+    kinds = [(s.kind, s.waited_for) for s in tl.lanes[1]]
+    assert (SegmentKind.WAIT, None) in kinds and SegmentKind.COLLECTIVE not in [k for k, _ in kinds]
+    assert "GB/s" not in tl.summary().split(";")[0], tl.summary()
+    assert "no other rank issued" in tl.summary()
+    doc = to_chrome_trace(tl)
+    assert trace_problems(doc) == []
+    assert any(e["name"] == "wait all_sum: no other rank issued it in this cell"
+               for e in doc["traceEvents"])
 
 
 def test_mismatched_collectives_are_not_paired() -> None:
@@ -324,10 +369,11 @@ def test_a_step_in_one_line_per_op_and_rank() -> None:
               1: record(1, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1)])}
     st = build([uneven], backend="ring").stats
     assert step_lines(st, [0, 1]) == [f"this step on rank {r}: {st.line(r)}" for r in (0, 1)]
-    assert st.line(0).startswith("2 all_sum, 2.0 MiB") and "probe" not in st.line(0)
+    # rank 0's second all_sum met no peer: issued and waited in, but nothing moved
+    assert st.line(0).startswith("2 all_sum, 1.0 MiB, 200 ms") and "probe" not in st.line(0)
     ev = event("all_sum", 0.1, 0.1, index=1, timed=False)
     st = build([{0: record(0, 1, 0, 0.2, [ev]), 1: record(1, 1, 0, 0.2, [dict(ev)])}]).stats
-    assert st.line() == "2 issued inside mx.compile/vmap (not timed)"
+    assert st.line() == "1 issued inside mx.compile/vmap (not timed)"
     assert build([{0: record(0, 1, 0, 0.2, [])}]).stats.line() == "no collective"
 
 
@@ -509,6 +555,19 @@ def test_collectives_inside_compile_are_untimed(tracked: Any) -> None:
     assert not ev["timed"] and ev["t_ready"] == ev["t_done"] == ev["t_issue"]
 
 
+def test_collectives_of_mlx_nbdist_itself_are_left_out_of_the_totals(tracked: Any) -> None:
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    before = tracker.snapshot()
+    mx.eval(mx.distributed.all_sum(mx.ones(4), group=world))
+    with tracker.internal():  # a bandwidth probe, gradsync's comparison
+        mx.eval(mx.distributed.all_sum(mx.ones(8), group=world))
+    after = tracker.snapshot()
+    assert after["collectives"] - before["collectives"] == 1
+    assert after["bytes_moved"] - before["bytes_moved"] == 16
+    # still recorded (a rank stuck in one shows where, and can be drained)
+    assert [r["nbytes"] for r in after["recent"][-2:]] == [16, 32]
+
+
 # ------------------------------------------------------- real engines (needs wiring)
 
 needs_wiring = pytest.mark.skipif(
@@ -600,3 +659,23 @@ def test_compaction_keeps_every_unevaluated_collective_and_drops_the_evaluated(
     assert settled == lazy, (sorted(settled - lazy), sorted(lazy - settled))
     assert last_seq == first_seq + 5 * tracker_module.COMPACT_AT
     assert first.tolist() == [1.0, 1.0, 1.0] and not tracker.settle()
+
+
+def test_rank_totals_are_the_users_collectives_only(fresh2: Session) -> None:
+    # the first profiled cell probes the bandwidth (4 all_sums of 256 KiB) and
+    # --check-collectives gathers signatures: neither is the user's
+    def totals() -> list[tuple[int, int]]:
+        return [(st.collectives, st.bytes_moved) for st in fresh2.rank_states().values()]
+
+    before = totals()
+    fresh2.run("for n in (10, 1000):\n    mx.eval(mx.distributed.all_sum(mx.ones(n), "
+               "group=world))", profile=True)
+    fresh2.run("mx.eval(mx.distributed.all_sum(mx.ones(5), group=world))",
+               check_collectives=True)
+    want = [(c + 3, b + 4 * 1015) for c, b in before]
+    deadline = time.monotonic() + 10
+    while totals() != want and time.monotonic() < deadline:
+        time.sleep(0.05)  # the ranks publish every 0.25 s
+    time.sleep(0.6)  # and nothing more arrives later
+    assert totals() == want
+    assert fresh2.comm_stats().of("all_sum").count == 2

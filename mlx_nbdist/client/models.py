@@ -290,7 +290,8 @@ def gradsync(name: str, step: str, *, mode: str = "auto", session: Session | Non
     samples = [GradSample(**{**d, "shape": tuple(d["shape"])})
                for _, out in sorted(got.items()) for d in out["samples"]]
     records = {r: out["profile"] for r, out in got.items() if out.get("profile")}
-    return GradSync(samples, s.profiles.window(records).stats if records else None)
+    comm = s.profiles.window(records, name=f"gradsync({name!r})").stats if records else None
+    return GradSync(samples, comm)
 
 
 @dataclass

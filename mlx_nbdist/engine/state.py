@@ -7,6 +7,7 @@ the modules that need the state never import each other for it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,12 @@ def current() -> EngineState:
             "(mlx_nbdist's bootstrap has not run in this process)"
         )
     return _STATE
+
+
+def own_collectives() -> AbstractContextManager[None]:
+    """A context whose collectives are mlx_nbdist's own, left out of the rank's totals
+    (:meth:`.tracker.Tracker.internal`); nothing outside a started rank."""
+    return nullcontext() if _STATE is None else _STATE.tracker.internal()
 
 
 def monitor() -> Monitor | None:

@@ -26,6 +26,8 @@ import hashlib
 import io
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -68,6 +70,12 @@ class Tracker:
         self.size = size
         self.seq = 0
         self.bytes_moved = 0
+        #: collectives mlx_nbdist issued itself (``--check-collectives`` signatures, a
+        #: bandwidth probe, gradsync's comparison, see :meth:`internal`): tracked like
+        #: any, but not in the totals the dashboard and ``%mlxdist status`` show
+        self.internal_count = 0
+        self.internal_bytes = 0
+        self._internal = 0
         self.recent: deque[CollectiveRecord] = deque(maxlen=history)
         self.cell = 0
         self.active_ranks: list[int] | None = None
@@ -109,6 +117,16 @@ class Tracker:
     def original(self, op: str) -> Any:
         return self._orig.get(op) or getattr(mx.distributed, op)
 
+    @contextmanager
+    def internal(self) -> Iterator[None]:
+        """Collectives issued inside are mlx_nbdist's own: recorded, in the ledger and
+        drainable like any, but left out of the rank's totals of collectives and bytes."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
     # -- per cell -----------------------------------------------------------------
     def begin_cell(self, cell: int, active_ranks: list[int] | None, check: bool) -> None:
         self.cell = cell
@@ -119,8 +137,9 @@ class Tracker:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "collectives": self.seq,
-                "bytes_moved": self.bytes_moved,
+                # the user's: what mlx_nbdist issued itself is left out
+                "collectives": self.seq - self.internal_count,
+                "bytes_moved": self.bytes_moved - self.internal_bytes,
                 "recent": [vars(r).copy() for r in list(self.recent)[-32:]],
                 "tracker_cell": self.cell,
                 "cell_collectives": self.cell_count,
@@ -188,6 +207,9 @@ class Tracker:
             self.seq += 1
             self.cell_count += 1
             self.bytes_moved += nbytes
+            if check or self._internal:
+                self.internal_count += 1
+                self.internal_bytes += nbytes
             rec = CollectiveRecord(
                 self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check
             )

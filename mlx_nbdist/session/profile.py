@@ -134,13 +134,15 @@ class Profiles:
         """Per-op and per-rank statistics of the collectives of the last ``k`` cells."""
         return self.timeline(k).stats
 
-    def window(self, records: Mapping[int, Mapping[str, Any]]) -> CellTimeline:
+    def window(self, records: Mapping[int, Mapping[str, Any]], name: str = "") -> CellTimeline:
         """The timeline of one window the ranks timed inside a call (each rank's
-        :func:`~mlx_nbdist.engine.profile.recording` record), with the clock offsets
-        and the probed bandwidth (measured first if need be: :meth:`prepare`); it is
-        not kept among the profiled cells."""
+        :func:`~mlx_nbdist.engine.profile.recording` record), named ``name`` (what the
+        user called, e.g. ``gradsync('model')``), with the clock offsets and the probed
+        bandwidth (measured first if need be: :meth:`prepare`); it is not kept among
+        the profiled cells."""
         self.prepare()
-        return build([dict(records)], self.offsets, self.probe_gbps, str(self.session.backend))
+        named = {r: {**p, "name": name} if name else dict(p) for r, p in records.items()}
+        return build([named], self.offsets, self.probe_gbps, str(self.session.backend))
 
     # -- helpers -------------------------------------------------------------------------
     def _name_of(self, cell: int) -> str:
