@@ -483,6 +483,10 @@ def _match(
         lead = ready[last] - min(ready.values())
         who = last if len(group) > 1 and lead > noise else None
         waits = {r: ready[last] - t for r, t in ready.items()}
+        send = group.get(next((r for r, e in group.items() if e.op == "send"), -1))
+        if send is not None and send.rank != last and send.done <= ready[last]:
+            # a buffered send, over before its receiver came: nobody waited for anybody
+            who, waits = None, dict.fromkeys(group, 0.0)
         any_e = next(iter(group.values()))
         out.append(Collective(cell, op, any_e.shape, any_e.nbytes, ready,
                               {r: e.done for r, e in group.items()}, who, waits))
@@ -540,7 +544,8 @@ def _lane(
             cursor = max(cursor, e.done)
             continue
         last, who = last_of.get((rank, e.index), (e.ready, None))
-        moving = min(max(last, e.ready), e.done)
+        # waiting for nobody (within the clock noise, or a buffered send): all of it moves
+        moving = min(max(last, e.ready), e.done) if who is not None else e.ready
         if who is not None and moving > e.ready:
             out.append(Segment(rank, SegmentKind.WAIT, e.ready, moving, cell, waited_for=who,
                                **common))

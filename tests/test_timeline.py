@@ -260,6 +260,21 @@ def test_untimed_collectives_are_instants_not_durations() -> None:
     assert len(instants) == 2 and trace_problems(doc) == []
 
 
+def test_a_send_over_before_its_receiver_came_waited_for_nobody() -> None:
+    # the ring buffers a small send: rank 0's send is done at 0.11 s, rank 1 only
+    # posts its recv at 0.4 s; neither waited for the other
+    cell = {
+        0: record(0, 1, 0, 0.5, [event("send", 0.1, 0.11, index=1, peer=1)]),
+        1: record(1, 1, 0, 0.5, [event("recv", 0.4, 0.41, index=1, peer=0)]),
+    }
+    tl = build([cell])
+    assert [s.kind for s in tl.lanes[0]] == [SegmentKind.COMPUTE, SegmentKind.SEND,
+                                             SegmentKind.COMPUTE]
+    assert tl.waited_for is None and tl.wait == {0: 0.0, 1: 0.0}
+    send = tl.stats.of("send", 0)
+    assert send.wait == 0 and send.transfer == pytest.approx(0.01, abs=1e-6) and send.gbps
+
+
 def test_messages_are_summed_over_ranks_in_the_groups_row() -> None:
     # every message is one rank's own (a group collective is every rank's): rank 0
     # sends 24 B twice and receives 8 B; rank 1 receives both and sends the 8 B
