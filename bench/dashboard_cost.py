@@ -4,16 +4,17 @@ open (polling every 0.5 s, its default, in the kernel) and closed.
 
 A jupyter_client front end runs a ``python3`` kernel with a 2-rank session (the
 harness of bench/live_output.py); time = execute_request to execute_reply at the front
-end. Short blocks of cells alternate closed / open (24 blocks) so drift hits both
+end. Short blocks of cells alternate closed / open (32 blocks) so drift hits both
 alike; besides the ratio of the pooled medians, each open block is compared with the
 closed block before it (the ratio of their medians), and the median of those paired
 ratios is the estimate, with a 90 % interval from resampling the pairs: 1 % of a
 13 ms round trip is 0.13 ms, less than this machine's drift between two blocks.
 
-So the dashboard's own work is measured too: the CPU time of its polling thread's
-refreshes (``time.thread_time``) over the time it was open. A refresh delays a cell
-only when the two overlap, so the expected cost to a cell of any length is at most
-that share (when the machine has no idle core to run it on).
+So the dashboard's own work is measured too: the wall-clock time its polling thread
+spent in refreshes (waits for the GIL or a core included) over the time it was open.
+A refresh delays a cell only when the two overlap, and by at most its own length, so
+the expected cost to a cell much longer than a refresh (about 1 ms) is at most that
+share; a cell of length L pays at most share x (1 + refresh / L).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import time as _t
 from mlx_nbdist.viz.dashboard import dashboard as _dash
 _d = _dash()
 _cpu, _opened, _refresh = [0.0], _t.perf_counter(), _d.refresh
-def _timed_refresh():  # the polling thread's CPU time in refreshes
-    t = _t.thread_time()
+def _timed_refresh():  # the polling thread's time in refreshes (wall clock)
+    t = _t.perf_counter()
     try:
         return _refresh()
     finally:
-        _cpu[0] += _t.thread_time() - t
+        _cpu[0] += _t.perf_counter() - t
 _d.refresh = _timed_refresh
 """
 CLOSE = "_d.close()\nprint(_cpu[0], _t.perf_counter() - _opened)"
@@ -75,7 +76,7 @@ def main() -> dict:
         fe.close()
     out = {what: summarise(bs) for what, bs in blocks.items()}
     for row in out.values():
-        row["refresh cpu share"] = cpu / wall
+        row["refresh time share"] = cpu / wall
     return out
 
 

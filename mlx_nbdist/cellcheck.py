@@ -9,28 +9,46 @@ leave the group broken. It is refused with the line to change.
 from __future__ import annotations
 
 import ast
+import inspect
 
 _ASYNC = (ast.Await, ast.AsyncFor, ast.AsyncWith)
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def top_level_await(code: str) -> int | None:
-    """The line of the first ``await``, ``async for`` or ``async with`` outside any
-    function in ``code`` (IPython syntax: magics, ``!cmd``), or ``None``; code that
-    does not parse is left to the ranks, which report it."""
+    """The line of the first ``await``, ``async for`` or ``async with`` that makes
+    ``code`` (IPython syntax: magics, ``!cmd``) a coroutine, as IPython decides it
+    (Python compiles it with top-level await allowed, a coroutine results), or
+    ``None``; code that does not compile is left to the ranks, which report it."""
     try:
         from IPython.core.inputtransformer2 import TransformerManager
 
-        tree = ast.parse(TransformerManager().transform_cell(code))
+        source = TransformerManager().transform_cell(code)
+        compiled = compile(source, "<cell>", "exec", dont_inherit=True,
+                           flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     except (SyntaxError, ValueError):
         return None
-    todo: list[ast.AST] = [tree]
+    if not compiled.co_flags & inspect.CO_COROUTINE:
+        return None
+    return _first_outside_functions(ast.parse(source)) or 1
+
+
+def _first_outside_functions(tree: ast.AST) -> int | None:
+    """The first line with an await outside a function's or class's body (their
+    decorators, defaults and bases run in the cell's own scope)."""
     found: list[int] = []
+    todo: list[ast.AST] = [tree]
     while todo:
         node = todo.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, _SCOPES):
-                continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            children: list[ast.AST] = [*node.decorator_list, node.args]
+            children += [node.returns] if node.returns else []
+        elif isinstance(node, ast.Lambda):
+            children = [node.args]
+        elif isinstance(node, ast.ClassDef):
+            children = [*node.decorator_list, *node.bases, *node.keywords]
+        else:
+            children = list(ast.iter_child_nodes(node))
+        for child in children:
             if isinstance(child, _ASYNC) or (
                 isinstance(child, ast.comprehension) and child.is_async
             ):

@@ -212,13 +212,13 @@ def rank_span(ranks: list[int]) -> str:
 class CollectiveTimeout(CellError):
     """A cell ran past its deadline; the stuck ranks were ended."""
 
-    no_failure = "the cell ran past its deadline; every rank stopped"
+    no_failure = "the cell ran past its deadline; no rank raised (each finished or caught it)"
 
 
 class CellInterrupted(CellError):
     """The user interrupted a cell; ranks that did not stop were ended."""
 
-    no_failure = "the cell was interrupted; every rank stopped (none raised)"
+    no_failure = "the cell was interrupted; no rank raised (each finished or caught it)"
 
 
 def _order_failures(failures: list[RankFailure]) -> list[RankFailure]:

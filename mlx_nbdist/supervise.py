@@ -54,7 +54,7 @@ class Ranks(Protocol):
     def rank_paused(self, rank: int) -> bool: ...
     def rank_exit(self, rank: int) -> str: ...
     def rank_record(self, rank: int) -> dict[str, Any]: ...
-    def kill_ranks(self, ranks: list[int], sig: int) -> None: ...
+    def kill_ranks(self, ranks: list[int], sig: int, *, local_only: bool = False) -> None: ...
     def drain_ranks(
         self, plan: dict[int, list[dict[str, Any]]], timeout: float
     ) -> tuple[dict[int, list[str]], list[int]]: ...
@@ -439,7 +439,9 @@ class Supervisor:
             while self._running() and time.monotonic() < t_end:
                 self._wait(self._running(), min(0.1, resend or 0.1))
                 if resend and self._running() and time.monotonic() - sent >= resend:
-                    self.s.kill_ranks(self._running(), signal.SIGINT)
+                    # local ranks only: a signal sent over ssh may land seconds later,
+                    # held and raised in a cell nobody interrupted
+                    self.s.kill_ranks(self._running(), signal.SIGINT, local_only=True)
                     sent = time.monotonic()
             still = self._running()
             finished = [r for r in self.futures if r not in still]

@@ -48,8 +48,8 @@ class SegmentKind(TextEnum):
     """What a rank was doing during one segment of its lane."""
 
     COMPUTE = "compute"
-    #: in a collective, waiting for the last rank to arrive (``waited_for``), or for
-    #: peers that never issued it in the cell (``waited_for`` ``None``: no transfer)
+    #: in a collective, waiting for the last rank to arrive (``waited_for``), or in one
+    #: the other ranks did not match in the cell (``waited_for`` ``None``: no transfer)
     WAIT = "wait"
     #: in a group collective after every rank arrived: moving data
     COLLECTIVE = "collective"
@@ -179,14 +179,20 @@ class CommStats:
         """The row of ``op`` on ``rank`` (``None``: over all ranks)."""
         return next((r for r in self.rows if r.op == op and r.rank == rank), None)
 
-    def line(self, rank: int | None = None) -> str:
+    def line(self, rank: int | None = None, *, each: bool = False) -> str:
         """One line of ``rank``'s collectives (``None``: the all-ranks rows), e.g.
-        ``2 all_sum, 1.0 MiB, 0.4 ms, 2.5 GB/s (0.8x probe)``, ops joined by semicolons."""
+        ``2 all_sum, 1.0 MiB, 0.4 ms, 2.5 GB/s (0.8x probe)``, ops joined by semicolons.
+        ``each``: the all-ranks rows as one rank's, where every rank did the same
+        (messages are then the group's count and bytes over the ranks)."""
         parts = []
         for r in self.rows:
             if r.rank != rank:
                 continue
-            text = f"{r.count} {r.op}, {_bytes(r.nbytes)}, {format_seconds(r.time)}"
+            count, nbytes = r.count, r.nbytes
+            if each and rank is None and r.op in P2P:
+                k = sum(1 for x in self.rows if x.op == r.op and x.rank is not None) or 1
+                count, nbytes = count // k, nbytes // k
+            text = f"{count} {r.op}, {_bytes(nbytes)}, {format_seconds(r.time)}"
             if r.gbps is not None:
                 text += f", {r.gbps:.3g} GB/s"
                 if r.ratio is not None:
@@ -302,8 +308,9 @@ class CellTimeline:
         alone = _mean([sum(s.duration for s in lane if s.kind == SegmentKind.WAIT
                            and s.waited_for is None) for lane in self.lanes.values()])
         if total > 0 and alone / total >= 0.005:
-            parts.append(f"{alone / total:.0%} in collectives no other rank issued in the "
-                         "cell (peers that failed or skipped them; a drain released them)")
+            parts.append(f"{alone / total:.0%} in collectives the other ranks did not match "
+                         "in this cell (they failed, skipped them or issued others; a drain "
+                         "may have released them)")
         if self.slowest is not None:
             busy = _busy(self.spans[self.slowest])
             parts.append(
@@ -390,7 +397,9 @@ def build(
         untimed += cell_untimed  # each rank issues the same ones: counted once, as the group's
     compute = {r: sum(s.duration for s in lanes[r] if s.kind == SegmentKind.COMPUTE)
                for r in ranks}
-    wait = {r: sum(s.duration for s in lanes[r] if s.kind == SegmentKind.WAIT) for r in ranks}
+    # waiting for a rank that came late (not in a collective no other rank issued)
+    wait = {r: sum(s.duration for s in lanes[r]
+                   if s.kind == SegmentKind.WAIT and s.waited_for is not None) for r in ranks}
     comm = {
         r: sum(s.duration for s in lanes[r] if s.kind in _IN_COLLECTIVE) for r in ranks
     }
@@ -538,8 +547,9 @@ def _lane(
         if e.ready > cursor:
             out.append(Segment(rank, SegmentKind.COMPUTE, cursor, e.ready, cell))
         if e.world and (rank, e.index) not in last_of:
-            # no other rank issued it in this cell (a drain's zeros released it, or its
-            # peers failed or issued others): all of it was waiting, nothing to time
+            # not matched by the other ranks in this cell (they failed, skipped it or
+            # issued others; a drain's zeros may have released it): all of it was
+            # waiting, no transfer to time
             out.append(Segment(rank, SegmentKind.WAIT, e.ready, e.done, cell, **common))
             cursor = max(cursor, e.done)
             continue
@@ -687,7 +697,7 @@ def to_chrome_trace(timelines: CellTimeline | Sequence[CellTimeline]) -> dict[st
                     args["gbps"] = round(s.nbytes / s.duration / 1e9, 4)
                 name = _TRACE_NAMES.get(s.kind) or (
                     (f"wait {s.op} for rank {s.waited_for}" if s.waited_for is not None
-                     else f"wait {s.op}: no other rank issued it in this cell")
+                     else f"wait {s.op}: not matched by the other ranks in this cell")
                     if s.kind == SegmentKind.WAIT else s.op
                 )
                 events.append({"name": name, "cat": str(s.kind), "ph": "X", "ts": us(s.start),

@@ -170,8 +170,14 @@ def test_only_await_outside_a_function_counts() -> None:
 
     assert top_level_await("async def f():\n    await g()\nx = lambda: 1") is None
     assert top_level_await("%time x = 1\n!ls\nclass A:\n    y = 2") is None
-    assert top_level_await("x = 1\nclass A:\n    y = await g()") == 3
-    assert top_level_await("def f(:") is None  # the ranks report the syntax error
+    assert top_level_await("s = 'await x'  # await y") is None
+    # decorators, defaults and bases run in the cell's scope: a coroutine cell too
+    assert top_level_await("x = 1\n@deco(await g())\ndef f():\n    pass") == 2
+    assert top_level_await("def f(a=await g()):\n    return a") == 1
+    assert top_level_await("x = 1\n\nf = lambda a=await g(): a") == 3
+    # not compilable: the ranks report the syntax error
+    assert top_level_await("x = 1\nclass A:\n    y = await g()") is None
+    assert top_level_await("def f(:") is None
 
 
 def test_timeout_zero_still_means_no_deadline(on, capfd) -> None:

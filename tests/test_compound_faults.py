@@ -331,7 +331,7 @@ def test_a_cell_that_catches_the_interrupt_still_reports_it(fresh2: Session) -> 
     assert fresh2.state == "ready"
     # no rank raised: the headline says what happened, not "0 of 2 ranks failed"
     assert str(info.value).splitlines()[0] == (
-        "the cell was interrupted; every rank stopped (none raised)"), str(info.value)
+        "the cell was interrupted; no rank raised (each finished or caught it)"), str(info.value)
 
 
 def test_ledgers_of_messages_only_ranks_agree_with_idle_ranks() -> None:

@@ -225,9 +225,11 @@ def test_an_interrupt_while_ranks_start_their_cell_still_stops_it(fresh2: Sessio
     # grace (EngineError, the session broken). Held until the cell's first statement,
     # the interrupt stops the cell and the session stays usable.
     fresh2.run(
-        "import time\ndef _slow_start(info):\n    time.sleep(1.5)\n"
+        "import time\ndef _slow_start(info):\n    time.sleep(3.0)\n"
         "get_ipython().events.register('pre_run_cell', _slow_start)"
     )
+    # SIGINT after the stacks are taken (up to 1 s): still inside _slow_start
+    fresh2.policy = fresh2.policy.updated({"interrupt_grace": 10.0})
     old = _interrupt_after(0.6)  # inside _slow_start, after our own callback began the cell
     try:
         with pytest.raises(CellInterrupted) as info:
@@ -255,7 +257,7 @@ def test_a_rank_takes_one_interrupt_a_cell_so_repeats_spare_its_cleanup(fresh2: 
         "    time.sleep(1.2)\n    print('cleaned up')\n    raise\n"
     )
     fresh2.policy = fresh2.policy.updated({"interrupt_grace": 5.0})
-    old = _interrupt_after(1.0)
+    old = _interrupt_after(2.0)  # well inside the try: a held one would skip it
     try:
         with pytest.raises(CellInterrupted) as info:
             fresh2.run(code, timeout=120)
@@ -265,6 +267,21 @@ def test_a_rank_takes_one_interrupt_a_cell_so_repeats_spare_its_cleanup(fresh2: 
     assert [result.stdout(r) for r in (0, 1)] == ["cleaned up\n"] * 2, str(info.value)
     assert {f.ename for f in result.failures} == {"KeyboardInterrupt"}, str(info.value)
     assert fresh2.state == "ready"
+    assert_works(fresh2)
+
+
+def test_an_empty_cell_run_inside_a_cell_leaves_it_interruptible(fresh2: Session) -> None:
+    # IPython ends an empty cell (post_run_cell) it never began (no pre_run_cell): that
+    # end must not be taken for the outer cell's, which would then ignore SIGINT
+    old = _interrupt_after(1.0)
+    try:
+        with pytest.raises(CellInterrupted) as info:
+            fresh2.run("get_ipython().run_cell('')\nimport time\ntime.sleep(60)", timeout=120)
+    finally:
+        _no_interrupt(old)
+    assert {f.ename for f in info.value.result.failures} == {"KeyboardInterrupt"}, str(info.value)
+    assert fresh2.state == "ready"
+    assert fresh2.run("x = 1\n").ok and fresh2.run("").ok  # and an empty cell of its own
     assert_works(fresh2)
 
 

@@ -71,7 +71,7 @@ class FakeRanks:
     def rank_record(self, rank: int) -> dict[str, Any]:
         return self.records[rank]
 
-    def kill_ranks(self, ranks: list[int], sig: int) -> None:
+    def kill_ranks(self, ranks: list[int], sig: int, *, local_only: bool = False) -> None:
         self.signals.append((list(ranks), sig))
         if sig == signal.SIGKILL:
             for r in ranks:
@@ -189,7 +189,7 @@ def test_sigint_is_sent_again_to_ranks_still_running_until_they_stop() -> None:
     fake = FakeRanks()
     kill = fake.kill_ranks
 
-    def kill_ranks(ranks, sig):
+    def kill_ranks(ranks, sig, local_only=False):
         kill(ranks, sig)
         if sig == signal.SIGINT:
             if 0 in ranks and not fake.futures[0].done():

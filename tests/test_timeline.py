@@ -291,6 +291,13 @@ def test_messages_are_summed_over_ranks_in_the_groups_row() -> None:
     assert (st.of("send").count, st.of("send").nbytes) == (3, 56)
     assert (st.of("recv").count, st.of("recv").nbytes) == (3, 56)
     assert (st.of("send", 0).count, st.of("send", 1).count) == (2, 1)
+    # a pipeline step where each rank sends and receives one message: per rank, one each
+    from mlx_nbdist.viz.gradsync import step_lines
+
+    ring = {0: record(0, 1, 0, 1, [msg("send", 0.1, 1, 8, 1), msg("recv", 0.2, 2, 8, 1)]),
+            1: record(1, 1, 0, 1, [msg("recv", 0.1, 1, 8, 0), msg("send", 0.2, 2, 8, 0)])}
+    (line,) = step_lines(build([ring]).stats, [0, 1])
+    assert line.startswith("this step (each rank): 1 recv, 8 B") and "; 1 send, 8 B" in line
     # a group collective stays any rank's count
     cell = {r: record(r, 1, 0, 1, [event("all_sum", 0.1, 0.2, index=1, nbytes=16)])
             for r in (0, 1)}
@@ -312,11 +319,28 @@ def test_a_collective_no_other_rank_issued_is_waiting_not_a_transfer() -> None:
     kinds = [(s.kind, s.waited_for) for s in tl.lanes[1]]
     assert (SegmentKind.WAIT, None) in kinds and SegmentKind.COLLECTIVE not in [k for k, _ in kinds]
     assert "GB/s" not in tl.summary().split(";")[0], tl.summary()
-    assert "no other rank issued" in tl.summary()
+    assert "did not match in this cell" in tl.summary() and "waiting, mostly" not in tl.summary()
+    assert tl.wait == {0: 0.0, 1: 0.0}  # nobody came late: it met nobody
     doc = to_chrome_trace(tl)
     assert trace_problems(doc) == []
-    assert any(e["name"] == "wait all_sum: no other rank issued it in this cell"
+    assert any(e["name"] == "wait all_sum: not matched by the other ranks in this cell"
                for e in doc["traceEvents"])
+
+
+def test_a_late_rank_and_an_unmatched_collective_are_told_apart() -> None:
+    # rank 1 comes 0.1 s late to the first all_sum; then rank 1 waits 2 s in a second
+    # one rank 0 never issued: the late arrival is 0.1 s of waiting, not 2.1 s
+    cell = {
+        0: record(0, 1, 0, 2.5, [event("all_sum", 0.1, 0.21, index=1)]),
+        1: record(1, 1, 0, 2.5, [event("all_sum", 0.2, 0.21, index=1),
+                                 event("all_sum", 0.3, 2.3, index=2)]),
+    }
+    tl = build([cell])
+    assert tl.waited_for == 1 and tl.wait[0] == pytest.approx(0.1, abs=1e-6)
+    assert tl.wait[1] == 0
+    parts = tl.summary().split("; ")
+    assert parts[1].startswith("2% waiting, mostly for rank 1"), parts
+    assert parts[2].startswith("40% in collectives the other ranks did not match"), parts
 
 
 def test_mismatched_collectives_are_not_paired() -> None:

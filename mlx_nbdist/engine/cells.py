@@ -75,13 +75,24 @@ def finish(status: str) -> None:
 def install_hooks(ip: Any) -> None:
     """Run :func:`begin` and :func:`finish` around every cell of the shell ``ip``."""
 
+    #: the cells begun and not finished, innermost last (a cell may run another)
+    started: list[Any] = []
+
     def pre_run_cell(info: Any) -> None:
         interrupts.hold()  # IPython would swallow a KeyboardInterrupt raised in here
+        started.append(info)
         begin(_meta(ip))
 
     def post_run_cell(result: Any) -> None:
+        # IPython skips pre_run_cell for an empty cell but still ends it here
+        info = getattr(result, "info", None)
+        if not started or (result is not None and info is not started[-1]):
+            return
+        started.pop()
         interrupts.done()
-        finish("ok" if result.success else type(result.error_in_exec).__name__)
+        ok = result is not None and result.success
+        error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+        finish("ok" if ok else type(error).__name__ if error is not None else "Error")
 
     def number_as_notebook(lines: list[str]) -> list[str]:
         # A transformer runs before IPython takes the cell's number (pre_run_cell runs

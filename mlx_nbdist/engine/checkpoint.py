@@ -55,7 +55,7 @@ from ..checkpoint_index import (
 from ..results import ShardMode
 from .dtypes import dtype_name
 from .sharding import param_specs
-from .state import current
+from .state import current, own_collectives
 
 __all__ = [
     "OPTIMIZER_PREFIX",
@@ -678,11 +678,12 @@ def _gather(value: Any) -> list[Any]:
     if st.size == 1:
         return [json.loads(json.dumps(value))]
     data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-    lengths = np.array(mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32),
-                                                 group=st.world))
-    longest = int(lengths.max())
-    buf = np.zeros(longest, dtype=np.uint8)
-    buf[:data.size] = data
-    rows = np.array(mx.distributed.all_gather(mx.array(buf), group=st.world)).reshape(
-        st.size, longest)
+    with own_collectives():  # mlx_nbdist's own exchange: not in the rank's totals
+        lengths = np.array(mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32),
+                                                     group=st.world))
+        longest = int(lengths.max())
+        buf = np.zeros(longest, dtype=np.uint8)
+        buf[:data.size] = data
+        rows = np.array(mx.distributed.all_gather(mx.array(buf), group=st.world)).reshape(
+            st.size, longest)
     return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]

@@ -71,17 +71,21 @@ def _on_sigint(signum: int, frame: Any) -> None:
 def hold() -> None:
     """A cell or apply starts: until :func:`enter_body`, a SIGINT is held."""
     g = _guard
+    main = threading.current_thread() is threading.main_thread()  # signals reach it only
+    current = signal.getsignal(signal.SIGINT) if main else None
+    ours = main and current in (signal.default_int_handler, _on_sigint)
+    if ours and current is not _on_sigint:
+        signal.signal(signal.SIGINT, _on_sigint)
+    if main and current is not _on_sigint:
+        # a new request (the kernel put its own handler back): a top-level cell, even
+        # if an earlier one never reached done() (an interrupt in a gap of the hooks)
+        g.depth = 0
     g.depth += 1
     if g.depth > 1:
         return  # a cell run from inside a cell: the outer one's guard stands
     g.pending = g.raised = False
     g.phase = Phase.HELD
-    g.ours = False
-    if threading.current_thread() is not threading.main_thread():
-        return  # signals reach the main thread only
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
-        g.ours = True
+    g.ours = ours
 
 
 def enter_body() -> bool:
@@ -97,9 +101,12 @@ def enter_body() -> bool:
 
 
 def done() -> None:
-    """The body is over (whatever its end): a SIGINT is ignored from now on."""
+    """The body of a cell :func:`hold` began is over (whatever its end): a SIGINT is
+    ignored from now on."""
     g = _guard
-    g.depth = max(0, g.depth - 1)
+    if g.depth == 0:
+        return  # nothing began (IPython skips pre_run_cell for an empty cell)
+    g.depth -= 1
     if g.depth == 0:
         g.phase = Phase.DONE
 

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from ..errors import ShardingError
 from . import _mlx_lm
 from .sharding import shard, tensor_parallel, verify_identical
-from .state import current
+from .state import current, own_collectives
 
 
 @dataclass
@@ -153,7 +153,8 @@ def _same_on_every_rank(tokens: list[int], max_tokens: int, group: mx.distribute
     # collective (a rank that stopped early at an end token has fewer)
     mine = mx.array([len(tokens), *tokens, *[-1] * (max_tokens - len(tokens))],
                     dtype=mx.int32)[None]
-    table = mx.distributed.all_gather(mine, group=group).tolist()
+    with own_collectives():  # a check of ours: not in the rank's totals
+        table = mx.distributed.all_gather(mine, group=group).tolist()
     differ = [r for r, row in enumerate(table) if row != table[0]]
     if differ:
         raise RuntimeError(
@@ -215,8 +216,9 @@ def _all_or_none(failed: bool, group: mx.distributed.Group, what: str) -> None:
     failure on one host never leaves the others waiting in the next collective."""
     if group.size() == 1:
         return
-    flags = mx.distributed.all_gather(mx.array([int(failed)], dtype=mx.int32), group=group)
-    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    with own_collectives():
+        flags = mx.distributed.all_gather(mx.array([int(failed)], dtype=mx.int32), group=group)
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
     if bad and not failed:
         raise RuntimeError(f"{what} failed on rank(s) {bad} (their error says why); this rank "
                            "stopped too, so no rank waits for the others")

@@ -75,8 +75,8 @@ class WrongObjectError(TypeError):
 def call(meta: dict[str, Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` for :meth:`Session.apply` with the cell's metadata in effect; a
     SIGINT is held until ``fn`` starts, and ``fn`` takes one (:mod:`.interrupts`)."""
-    interrupts.hold()
     try:
+        interrupts.hold()
         cells.begin(meta)
     except BaseException:
         interrupts.done()

@@ -72,7 +72,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ShardingError
 from ..results import HeadRow, PlanRow, ShardMode, StageRow
-from . import _mlx, transformer
+from . import _mlx, state, transformer
 from .dtypes import dtype_name, nbytes
 
 __all__ = [
@@ -1366,7 +1366,8 @@ def verify_identical(model: nn.Module, group: mx.distributed.Group) -> None:
              if spec.axis is None and not (staged and p.startswith(staged))]
     names = zlib.crc32("\n".join(f"{p}{tuple(params[p].shape)}" for p in paths).encode())
     shape = mx.array([len(paths), names & 0xFFFF, names >> 16], dtype=mx.int32)[None]
-    table = np.array(mx.distributed.all_gather(shape, group=group))
+    with state.own_collectives():  # a check of ours: not in the rank's totals
+        table = np.array(mx.distributed.all_gather(shape, group=group))
     differ = [r for r in range(len(table)) if (table[r] != table[0]).any()]
     if differ:
         raise ShardingError(
@@ -1379,8 +1380,9 @@ def verify_identical(model: nn.Module, group: mx.distributed.Group) -> None:
     for p in paths:
         a = params[p].astype(mx.float32).reshape(-1)
         sums += [mx.sum(a), mx.sum(a * a)]
-    gathered = mx.distributed.all_gather(mx.stack(sums)[None], group=group)
-    table = np.array(gathered, dtype=np.float64)  # (ranks, 2 * len(paths))
+    with state.own_collectives():
+        gathered = mx.distributed.all_gather(mx.stack(sums)[None], group=group)
+        table = np.array(gathered, dtype=np.float64)  # (ranks, 2 * len(paths))
     tol = 1e-5 * np.maximum(np.abs(table[0]), 1.0)
     bad_rows = np.abs(table - table[0]) > tol
     bad = [(p, sorted(int(r) for r in np.nonzero(bad_rows[:, 2 * i] | bad_rows[:, 2 * i + 1])[0]))
@@ -1414,7 +1416,8 @@ def has_sum_scatter(group: mx.distributed.Group) -> bool:
     if group.size() == 1:
         return True
     try:
-        mx.eval(mx.distributed.sum_scatter(mx.zeros((group.size(),)), group=group))
+        with state.own_collectives():  # a probe of ours: not in the rank's totals
+            mx.eval(mx.distributed.sum_scatter(mx.zeros((group.size(),)), group=group))
     except RuntimeError:
         return False
     return True

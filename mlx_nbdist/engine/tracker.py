@@ -75,7 +75,7 @@ class Tracker:
         #: any, but not in the totals the dashboard and ``%mlxdist status`` show
         self.internal_count = 0
         self.internal_bytes = 0
-        self._internal = 0
+        self._internal = threading.local()  # per thread: another thread's are not ours
         self.recent: deque[CollectiveRecord] = deque(maxlen=history)
         self.cell = 0
         self.active_ranks: list[int] | None = None
@@ -121,11 +121,12 @@ class Tracker:
     def internal(self) -> Iterator[None]:
         """Collectives issued inside are mlx_nbdist's own: recorded, in the ledger and
         drainable like any, but left out of the rank's totals of collectives and bytes."""
-        self._internal += 1
+        local = self._internal
+        local.depth = getattr(local, "depth", 0) + 1
         try:
             yield
         finally:
-            self._internal -= 1
+            local.depth -= 1
 
     # -- per cell -----------------------------------------------------------------
     def begin_cell(self, cell: int, active_ranks: list[int] | None, check: bool) -> None:
@@ -207,7 +208,7 @@ class Tracker:
             self.seq += 1
             self.cell_count += 1
             self.bytes_moved += nbytes
-            if check or self._internal:
+            if check or getattr(self._internal, "depth", 0):
                 self.internal_count += 1
                 self.internal_bytes += nbytes
             rec = CollectiveRecord(

@@ -110,7 +110,7 @@ class SessionStatus:
     alive: dict[int, bool] = field(default_factory=dict)
     live: dict[int, RankState] = field(default_factory=dict)
     #: the next restart's engines (see :attr:`Session.spare_state`)
-    spare: str = ""
+    spare: SpareState = SpareState.NOT_YET
 
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -549,10 +549,11 @@ class Session:
             raise NotStartedError("no session is running: start one with %mlxdist start -n N")
         return group.rank_stacks(sorted(group.ranks))
 
-    def kill_ranks(self, ranks: list[int], sig: int) -> None:
-        """Send ``sig`` to ranks (by PID here, through the launcher elsewhere)."""
+    def kill_ranks(self, ranks: list[int], sig: int, *, local_only: bool = False) -> None:
+        """Send ``sig`` to ranks (by PID here, through the launcher elsewhere unless
+        ``local_only``)."""
         if self.group is not None:
-            self.group.kill_ranks(ranks, sig)
+            self.group.kill_ranks(ranks, sig, local_only=local_only)
 
     def rank_states(self, records: dict[int, dict[str, Any]] | None = None) -> dict[int, RankState]:
         """Live state of every rank, read from the files the ranks publish (or from

@@ -113,9 +113,10 @@ class RankGroup:
             return {}
 
     # -- signals --------------------------------------------------------------------
-    def kill_ranks(self, ranks: list[int], sig: int) -> None:
+    def kill_ranks(self, ranks: list[int], sig: int, *, local_only: bool = False) -> None:
         """Signal ranks: by PID when local, through the launcher (ssh, mpirun) when
-        not; remote signals are sent in the background and waited for at most 5 s."""
+        not (unless ``local_only``); remote signals are sent in the background and
+        waited for at most 5 s."""
         remote: dict[int, tuple[str, int]] = {}
         for r in ranks:
             p = self.procs.get(r)
@@ -127,7 +128,7 @@ class RankGroup:
                 p.send_signal(sig)
             except psutil.Error:
                 pass
-        if remote:
+        if remote and not local_only:
             _run_all(self.cluster.remote_signals(remote, sig), wait=5.0)
 
     # -- bringing a group back in step ------------------------------------------------

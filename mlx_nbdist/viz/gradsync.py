@@ -372,7 +372,7 @@ def step_lines(comm: CommStats | None, ranks: Sequence[int]) -> list[str]:
     if comm is None:
         return []
     if _same_on_every_rank(comm, ranks):
-        return [f"this step (each rank): {comm.line(None)}"]
+        return [f"this step (each rank): {comm.line(None, each=True)}"]
     return [f"this step on rank {r}: {comm.line(r)}" for r in ranks]
 
 
