@@ -375,6 +375,8 @@ def main(argv: list[str]) -> int:
                 results[name] = BENCHES[name].main()
                 save(name, results[name])
                 dates[name] = info["date"]
+                # now: a later bench that fails must not leave this one's old date
+                dates_path.write_text(json.dumps(dates, indent=1) + "\n")
             except Exception:  # noqa: BLE001 - report and continue with the others
                 traceback.print_exc()
                 return 1
