@@ -107,7 +107,7 @@ class Policy:
     drain_timeout: float = 3.0
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
-    #: meanwhile, how often SIGINT is sent again to ranks still running (one that
+    #: meanwhile, how often SIGINT is sent again to local ranks still running (one that
     #: arrived before a rank took the cell's request was lost; a rank takes one per
     #: cell, so a repeat never breaks its ``except``/``finally`` blocks); 0: never
     interrupt_resend: float = 0.5

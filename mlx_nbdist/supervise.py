@@ -12,7 +12,7 @@ so it can:
   (SIGSTOP, a debugger) and was dropped by the controller, the controller or one
   of its schedulers dying, and ranks that all wait to receive from each other;
 * at the deadline or on the user's interrupt, send SIGINT first (a rank running
-  Python stops; it is sent again while ranks run, since one that arrived before a
+  Python stops; it is sent again to local ranks while they run, since one that arrived before a
   rank took the request is lost, and a rank takes one per cell: see
   :mod:`mlx_nbdist.engine.interrupts`), drain what waits on it, and end only what
   still runs.
