@@ -74,8 +74,6 @@ def hold() -> None:
     main = threading.current_thread() is threading.main_thread()  # signals reach it only
     current = signal.getsignal(signal.SIGINT) if main else None
     ours = main and current in (signal.default_int_handler, _on_sigint)
-    if ours and current is not _on_sigint:
-        signal.signal(signal.SIGINT, _on_sigint)
     if main and current is not _on_sigint:
         # a new request (the kernel put its own handler back): a top-level cell, even
         # if an earlier one never reached done() (an interrupt in a gap of the hooks)
@@ -84,8 +82,10 @@ def hold() -> None:
     if g.depth > 1:
         return  # a cell run from inside a cell: the outer one's guard stands
     g.pending = g.raised = False
-    g.phase = Phase.HELD
+    g.phase = Phase.HELD  # before the handler: it must never see the last cell's end
     g.ours = ours
+    if ours and current is not _on_sigint:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 def enter_body() -> bool:
