@@ -492,7 +492,7 @@ def _match(
         lead = ready[last] - min(ready.values())
         who = last if len(group) > 1 and lead > noise else None
         waits = {r: ready[last] - t for r, t in ready.items()}
-        send = group.get(next((r for r, e in group.items() if e.op == "send"), -1))
+        send = next((e for e in group.values() if e.op == "send"), None)
         if send is not None and send.rank != last and send.done <= ready[last]:
             # a buffered send, over before its receiver came: nobody waited for anybody
             who, waits = None, dict.fromkeys(group, 0.0)
