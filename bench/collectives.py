@@ -121,14 +121,10 @@ def plain_script(backend: str) -> dict[int, float]:
 
 def direct_ring_script() -> dict[int, float]:
     """The same script, both ranks started directly (see ``run_ranks_directly``)."""
-    from mlx_nbdist.engine.rpc import free_ports
-
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "bench_allsum.py"
         script.write_text(SCRIPT.format(sizes=_sizes()))
-        hostfile = Path(d) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * 2)]))
-        return _parse(run_ranks_directly(script, ["ring"], hostfile)[0])
+        return _parse(run_ranks_directly(script, ["ring"])[0])
 
 
 def mpi4py_allreduce() -> dict[int, float]:

@@ -116,24 +116,38 @@ def mlx_launch(n: int, command: list[str], ok: Callable[[str], bool],
     raise RuntimeError(f"mlx.launch failed {tries} times:\n" + "\n".join(notes))
 
 
-def run_ranks_directly(script: Path, args: list[str], hostfile: Path, n: int = 2,
-                       timeout: float = 600) -> list[str]:
+def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float = 600,
+                       failed: list[str] | None = None, tries: int = 3) -> list[str]:
     """Run ``script`` as ``n`` ring ranks started directly, with the environment
-    ``mlx.launch`` gives them (hostfile, rank), without ``mlx.launch`` itself: it
-    busy-polls its children's pipes (measured: 105 % CPU while its ranks sleep), which
-    on two cores slows the ranks. Returns each rank's stdout; raises if one failed."""
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
-    procs = [subprocess.Popen([sys.executable, str(script), *args], text=True,
-                              env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for r in range(n)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:  # only ours, by handle
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n"
-                           + "\n".join(e for _, e in outs))
-    return [o for o, _ in outs]
+    ``mlx.launch`` gives them (a hostfile on free ports, the rank), without
+    ``mlx.launch`` itself: it busy-polls its children's pipes (measured: 105 % CPU
+    while its ranks sleep), which on two cores slows the ranks. Returns each rank's
+    stdout; raises if one failed. Ranks started at once sometimes fail MLX's own
+    connect (``[ring] Couldn't connect (error: 111)``: a rank gave up before its peer
+    listened): such a run is noted in ``failed`` and started again on fresh ports,
+    ``tries`` runs in all."""
+    from mlx_nbdist.engine.rpc import free_ports
+
+    notes = failed if failed is not None else []
+    for attempt in range(tries):
+        hostfile = script.with_name(f"hosts-{attempt}.json")
+        hostfile.write_text(json.dumps(
+            [[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * n)]))
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
+        procs = [subprocess.Popen([sys.executable, str(script), *args], text=True,
+                                  env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for r in range(n)]  # fmt: skip
+        try:
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:  # only ours, by handle
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if not any(p.returncode for p in procs):
+            return [o for o, _ in outs]
+        errors = "\n".join(e for _, e in outs)
+        if "Couldn't connect" not in errors or attempt == tries - 1:
+            raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{errors}")
+        notes.append(errors.strip()[-500:])
+    raise AssertionError("unreachable")

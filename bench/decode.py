@@ -89,33 +89,18 @@ def in_cell(s: Session, mode: str) -> dict:
     return json.loads(r.ranks[0].result_text.strip("'\""))
 
 
-#: plain ring ranks started at once sometimes fail MLX's own connect ("[ring] Couldn't
-#: connect (error: 111)": a rank gave up before its peer listened); such a run is
-#: started again on fresh ports, and counted
-INIT_TRIES = 3
-init_failures: list[str] = []
+#: per mode, the plain-script runs started again after MLX's ring failed to connect
+init_failures: dict[str, list[str]] = {}
 
 
 def direct_script(mode: str) -> dict:
-    from mlx_nbdist.engine.rpc import free_ports
-
-    for attempt in range(INIT_TRIES):
-        with tempfile.TemporaryDirectory() as d:
-            script = Path(d) / "decode.py"
-            script.write_text(SCRIPT.format(tokens=TOKENS, reps=REPS))
-            hostfile = Path(d) / "hosts.json"
-            ports = free_ports(["127.0.0.1"] * 2)
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-            try:
-                out = run_ranks_directly(script, [mode], hostfile)[0]
-            except RuntimeError as e:
-                if "Couldn't connect" not in str(e) or attempt == INIT_TRIES - 1:
-                    raise
-                init_failures.append(mode)
-                continue
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError("unreachable")
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "decode.py"
+        script.write_text(SCRIPT.format(tokens=TOKENS, reps=REPS))
+        failed = init_failures.setdefault(mode, [])
+        out = run_ranks_directly(script, [mode], failed=failed)[0]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        return json.loads(line[len("RESULT "):])
 
 
 def main(trials: int = 6) -> dict:
@@ -140,7 +125,7 @@ def main(trials: int = 6) -> dict:
             cs = {**stats(cell_tps), "min": min(cell_tps), "max": max(cell_tps)}
             ps = {**stats(script_tps), "min": min(script_tps), "max": max(script_tps)}
             out[mode] = {"cell": cs, "script": ps, "ratio": cs["median"] / ps["median"],
-                         "script init retries": init_failures.count(mode)}
+                         "script init retries": len(init_failures.get(mode, []))}
     return out
 
 
