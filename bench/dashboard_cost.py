@@ -36,16 +36,16 @@ OPEN = """
 import time as _t
 from mlx_nbdist.viz.dashboard import dashboard as _dash
 _d = _dash()
-_cpu, _opened, _refresh = [0.0], _t.perf_counter(), _d.refresh
+_spent, _opened, _refresh = [0.0], _t.perf_counter(), _d.refresh
 def _timed_refresh():  # the polling thread's time in refreshes (wall clock)
     t = _t.perf_counter()
     try:
         return _refresh()
     finally:
-        _cpu[0] += _t.perf_counter() - t
+        _spent[0] += _t.perf_counter() - t
 _d.refresh = _timed_refresh
 """
-CLOSE = "_d.close()\nprint(_cpu[0], _t.perf_counter() - _opened)"
+CLOSE = "_d.close()\nprint(_spent[0], _t.perf_counter() - _opened)"
 
 
 def main() -> dict:
@@ -55,7 +55,7 @@ def main() -> dict:
         fe.run_ok("%%mlxdist\n" + TP_SETUP + "\nstep()")
         # blocks[what][b]: the times of block b (even: closed, odd: open)
         blocks: dict[str, list[list[float]]] = {what: [] for what in CELLS}
-        cpu = wall = 0.0
+        spent = wall = 0.0
         for b in range(BLOCKS):
             opened = b % 2 == 1
             if opened:
@@ -70,13 +70,13 @@ def main() -> dict:
                 blocks[what].append(block)
             if opened:
                 used, open_for = map(float, fe.run_ok(CLOSE).split())
-                cpu, wall = cpu + used, wall + open_for
+                spent, wall = spent + used, wall + open_for
         fe.run_ok("%mlxdist stop")
     finally:
         fe.close()
     out = {what: summarise(bs) for what, bs in blocks.items()}
     for row in out.values():
-        row["refresh time share"] = cpu / wall
+        row["refresh time share"] = spent / wall
     return out
 
 
