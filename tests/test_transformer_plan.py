@@ -80,6 +80,19 @@ def test_heads_that_do_not_divide_are_refused_before_anything_moves(lm):
         p.check()  # what shard() runs first (on a real group: test_transformers.py)
 
 
+def test_grouped_query_heads_that_divide_two_ranks_but_not_four(lm):
+    # GQA: 8 query heads over 2 kv heads; on 4 ranks a rank would hold half a kv head
+    model = lm["build_lm"]("llama", num_attention_heads=8, num_key_value_heads=2)
+    two, four = plan(model, "megatron", group_size=2), plan(model, "megatron", group_size=4)
+    assert two.ok, two.problems
+    assert [(h.heads_per_rank, h.kv_heads_per_rank) for h in two.heads] == [(4, 1), (4, 1)]
+    want = ("model.layers.0.self_attn: 8 heads and 2 kv heads do not divide by 4 ranks "
+            "(each rank must hold whole heads)")
+    assert want in four.problems and len(four.problems) == 2, four.problems
+    with pytest.raises(ShardingError, match="8 heads and 2 kv heads do not divide by 4"):
+        four.check()
+
+
 def test_a_norm_over_all_heads_is_refused_naming_the_module(lm):
     p = plan(lm["build_lm"]("olmo2"), "megatron", group_size=2)
     assert not p.ok

@@ -259,3 +259,13 @@ def test_four_ranks(s4, lm, how):
     want = lm["logits_np"](lm["build_lm"](arch, **over), lm["tokens"])
     for rank, out in s4.pull("m4_out").items():
         assert gap(out, want) < TOL, (how, rank)
+
+
+def test_grouped_query_heads_refused_on_four_ranks(s4):
+    # 8 query heads over 2 kv heads: fine on 2 ranks, half a kv head a rank on 4
+    s4.run('gqa = build_lm("llama", num_attention_heads=8, num_key_value_heads=2)')
+    with pytest.raises(ShardingError, match=r"model\.layers\.0\.self_attn: 8 heads and 2 kv "
+                       r"heads do not divide by 4 ranks"):
+        mlx_nbdist.shard("gqa", "megatron", session=s4)
+    s4.run("gqa_k = type(gqa.model.layers[0].self_attn.k_proj).__name__")
+    assert set(s4.pull("gqa_k").values()) == {"Linear"}  # no rank moved
