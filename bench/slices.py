@@ -39,6 +39,7 @@ def _pickled(name: str):  # runs on the ranks
 
 _pickled.__module__ = "__main__"  # send by value: the ranks cannot import bench modules
 
+
 def _pool_round(nbytes: int) -> tuple[list[float], list[float]]:
     """One session: the pool route and memcpy into new memory, interleaved."""
     with Session(2, timeout=300) as s:
@@ -91,9 +92,8 @@ def main() -> dict:
         pickled = [time_it(lambda: s.apply(_pickled, "big")) for _ in range(REPS)]
         got = mlx_nbdist.slices("big", session=s)
         assert got[1].data.shape == (nbytes // 4,) and float(got[1].data[0]) == 1.0
-    # the pool route against memcpy again in fresh sessions: the ratio moves from
-    # session to session (where the segments and the engines land), so it is reported
-    # per session and over all of them
+    # the pool route against memcpy again in fresh sessions: the ratio moves from one
+    # session to the next (0.68x-0.91x seen), so it is reported per session and over all
     sessions = [(statistics.median(pool), statistics.median(fresh))]
     for _ in range(ROUNDS - 1):
         p, f = _pool_round(nbytes)
