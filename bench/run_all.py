@@ -125,6 +125,10 @@ def section_tp(d: dict) -> list[str]:
             out[-1] += f" {row['speed-up vs 1 rank']:.2f}x |"
         else:
             out[-1] += " 1.00x |"
+    for name, row in d.items():
+        if "ratio by round" in row:
+            out += ["", f"{name} / 1 rank, step time by round (a session of each size per round): "
+                    + ", ".join(f"{r:.3f}x" for r in row["ratio by round"])]
     return out + [""]
 
 
@@ -305,9 +309,15 @@ def section_goals(results: dict) -> list[str]:
                   f"{b['n'] - b['ring retries']} of {b['n']} runs")
     tp = results.get("tp_step", {})
     one, two = tp.get("1 rank, unsharded"), tp.get("2 ranks, Megatron")
+    noise = "-"
+    if one and two:
+        noise = f"p95 {two['step']['p95'] / one['step']['p95']:.3f}x"
+        if "ratio by round" in two:
+            by = two["ratio by round"]
+            noise += f"; by round {min(by):.3f}x-{max(by):.3f}x ({len(by)} rounds)"
     _goal(rows, "TP step on 2 ranks / 1-rank step",
           two["step"]["median"] / one["step"]["median"] if one and two else None, 0.55,
-          "{:.3f}x", f"p95 {two['step']['p95'] / one['step']['p95']:.3f}x" if one and two else "-")
+          "{:.3f}x", noise)
     for mode, row in results.get("decode", {}).items():
         _goal(rows, f"decode tokens/s, cell vs script ({mode})", row["ratio"], 0.95, "{:.3f}x",
               f"cell {row['cell']['min']:.0f}-{row['cell']['max']:.0f}, script "
