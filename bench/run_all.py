@@ -1,14 +1,18 @@
 """Run every benchmark side by side and write docs/performance.md.
 
-Usage: ``python bench/run_all.py [names...]`` (default: all). Results are also kept as
-JSON under bench/results/.
+Usage: ``python bench/run_all.py [names...]`` (default: all; ``none`` only rewrites the
+doc). Results are also kept as JSON under bench/results/, the last run of each benchmark
+in ``<name>.json`` and every run's goal rows in ``history.json`` (with a hash of the
+sources measured, so the doc can show how a goal's ratio moved over runs of one code).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,7 +41,9 @@ BENCHES = {
     "decode": decode,
     "dashboard_cost": dashboard_cost,
 }
-DOC = Path(__file__).parent.parent / "docs" / "performance.md"
+ROOT = Path(__file__).parent.parent
+DOC = ROOT / "docs" / "performance.md"
+HISTORY = RESULTS / "history.json"
 
 
 def ms(x: float) -> str:
@@ -266,18 +272,30 @@ def _share(row: dict) -> str:
     return "-" if share is None else f"{share * 100:.2f} %"
 
 
-def _goal(rows: list[list[str]], goal: str, value: float | None, limit: float, fmt: str,
-          noise: str, lower_is_better: bool = True) -> None:
+@dataclass
+class Goal:
+    """One row of the goals table: a goal, what one run measured, and whether it is met."""
+
+    bench: str  #: the benchmark that measures it
+    goal: str
+    text: str  #: the measured value as shown ("not measured" when it was not)
+    met: bool | None  #: None: not measured
+    noise: str
+    label: str = ""  #: how "met" reads when met ("met" unless said)
+
+
+def _goal(rows: list[Goal], bench: str, goal: str, value: float | None, limit: float,
+          fmt: str, noise: str, lower_is_better: bool = True) -> None:
     if value is None:
-        rows.append([goal, "not measured", "-", "-"])
+        rows.append(Goal(bench, goal, "not measured", None, "-"))
         return
     met = value <= limit if lower_is_better else value >= limit
-    rows.append([goal, fmt.format(value), "met" if met else "**not met**", noise])
+    rows.append(Goal(bench, goal, fmt.format(value), met, noise))
 
 
-def section_goals(results: dict) -> list[str]:
+def goal_rows(results: dict) -> list[Goal]:
     """Issue #19's goals against the measured numbers."""
-    rows: list[list[str]] = []
+    rows: list[Goal] = []
     rt = results.get("roundtrip", {})
     for ranks in ("2 ranks", "4 ranks"):
         r = rt.get(ranks)
@@ -286,25 +304,26 @@ def section_goals(results: dict) -> list[str]:
             px = r["%%px (ipyparallel)"]
             m = r["%%mlxdist (magic)"]
             v, n = m["median"] / px["median"], f"p95 {m['p95'] / px['p95']:.2f}x"
-        _goal(rows, f"round trip, magic vs `%%px`, {ranks}", v, 1.00, "{:.2f}x", n or "-")
+        _goal(rows, "roundtrip", f"round trip, magic vs `%%px`, {ranks}", v, 1.00, "{:.2f}x",
+              n or "-")
     lo = results.get("live_output", {}).get("latency", {})
     for cadence in ("every 0.2 s, flush=True", "every 0.02 s, flush=True"):
         st = (lo.get(cadence) or {}).get("%%mlxdist")
-        _goal(rows, f"live output latency / round trip ({cadence})",
+        _goal(rows, "live_output", f"live output latency / round trip ({cadence})",
               st["of own round trip"] if st else None, 2.0, "{:.2f}x",
               f"p95 {ms(st['p95'])}" if st else "-")
     rs = results.get("restart", {})
     ours = rs.get("Session.restart() after a rank died + first all_sum")
-    _goal(rows, "restart (2 ranks) to the first correct all_sum", ours and ours["median"], 1.5,
-          "{:.2f} s", f"p95 {ours['p95']:.2f} s" if ours else "-")
+    _goal(rows, "restart", "restart (2 ranks) to the first correct all_sum",
+          ours and ours["median"], 1.5, "{:.2f} s", f"p95 {ours['p95']:.2f} s" if ours else "-")
     su = results.get("startup", {}).get("2 ranks", {})
     if su:
         a, b = su["%mlxdist start + first all_sum"], su["mlx.launch empty script"]
-        _goal(rows, "`%mlxdist start` vs `mlx.launch` of an empty script (2 ranks)",
+        _goal(rows, "startup", "`%mlxdist start` vs `mlx.launch` of an empty script (2 ranks)",
               a["median"] / b["median"], 2.0, "{:.2f}x", f"p95 {a['p95'] / b['p95']:.2f}x")
         clean = b.get("median without ring retry")
         if "ring retries" in b:
-            _goal(rows, "... vs the `mlx.launch` runs without MLX's 1 s ring retry",
+            _goal(rows, "startup", "... vs the `mlx.launch` runs without MLX's 1 s ring retry",
                   clean and a["median"] / clean, 2.0, "{:.2f}x",
                   f"{b['n'] - b['ring retries']} of {b['n']} runs")
     tp = results.get("tp_step", {})
@@ -315,40 +334,79 @@ def section_goals(results: dict) -> list[str]:
         if "ratio by round" in two:
             by = two["ratio by round"]
             noise += f"; by round {min(by):.3f}x-{max(by):.3f}x ({len(by)} rounds)"
-    _goal(rows, "TP step on 2 ranks / 1-rank step",
+    _goal(rows, "tp_step", "TP step on 2 ranks / 1-rank step",
           two["step"]["median"] / one["step"]["median"] if one and two else None, 0.55,
           "{:.3f}x", noise)
     for mode, row in results.get("decode", {}).items():
-        _goal(rows, f"decode tokens/s, cell vs script ({mode})", row["ratio"], 0.95, "{:.3f}x",
-              f"cell {row['cell']['min']:.0f}-{row['cell']['max']:.0f}, script "
+        _goal(rows, "decode", f"decode tokens/s, cell vs script ({mode})", row["ratio"], 0.95,
+              "{:.3f}x", f"cell {row['cell']['min']:.0f}-{row['cell']['max']:.0f}, script "
               f"{row['script']['min']:.0f}-{row['script']['max']:.0f} tok/s",
               lower_is_better=False)
     for what, row in results.get("dashboard_cost", {}).items():
         if "refresh time share" not in row:
-            _goal(rows, f"open dashboard, {what}", (row["ratio"] - 1) * 100, 1.0, "{:+.1f} %",
-                  f"p95 {row['open']['p95'] / row['closed']['p95']:.3f}x")
+            _goal(rows, "dashboard_cost", f"open dashboard, {what}", (row["ratio"] - 1) * 100,
+                  1.0, "{:+.1f} %", f"p95 {row['open']['p95'] / row['closed']['p95']:.3f}x")
             continue
         lo, hi = ((x - 1) * 100 for x in row["interval"])
         timed = (row["ratio"] - 1) * 100
         share = row["refresh time share"] * 100
         # timed open vs closed cannot resolve 1 % here: the refreshes' own share of the
         # time bounds the cost; met when it is under 1 % and the timing does not exclude it
-        met = share <= 1.0 and lo <= 1.0
-        rows.append([f"open dashboard, {what}",
-                     f"{timed:+.1f} % timed; refreshes {share:.2f} % of the time",
-                     "met (refreshes)" if met else "**not met**",
-                     f"timed: 90 % interval {lo:+.1f} to {hi:+.1f} % (paired blocks)"])
+        rows.append(Goal("dashboard_cost", f"open dashboard, {what}",
+                         f"{timed:+.1f} % timed; refreshes {share:.2f} % of the time",
+                         share <= 1.0 and lo <= 1.0,
+                         f"timed: 90 % interval {lo:+.1f} to {hi:+.1f} % (paired blocks)",
+                         label="met (refreshes)"))
     sl = results.get("slices", {}).get("slices(), shared-memory pool")
     noise = "-"
     if sl:
         noise = f"p95 {ms(sl['p95'])}"
         if "by session" in sl:
             noise += "; by session " + ", ".join(f"{r['of memcpy']:.2f}x" for r in sl["by session"])
-    _goal(rows, "slices of 2 x 64 MB vs memcpy into new memory",
-          sl and sl["of memcpy"], 0.75, "{:.2f}x", noise, lower_is_better=False)
+    _goal(rows, "slices", "slices of 2 x 64 MB vs memcpy into new memory",
+          sl and sl["of memcpy"], 0.75, "{:.3f}x", noise, lower_is_better=False)
+    return rows
+
+
+def code_key(name: str, root: Path = ROOT) -> str:
+    """What a benchmark's numbers belong to: a hash of the package's sources and of the
+    benchmark's own (``bench/<name>.py`` and ``bench/common.py``) under ``root``."""
+    h = hashlib.sha256()
+    files = sorted((root / "mlx_nbdist").rglob("*.py"))
+    files += [root / "bench" / f"{name}.py", root / "bench" / "common.py"]
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def record(history: list[dict], name: str, results: dict, date: str, key: str) -> None:
+    """Add what one run of benchmark ``name`` measured against the goals to ``history``."""
+    rows = [g for g in goal_rows({name: results}) if g.bench == name and g.met is not None]
+    if rows:
+        history.append({"date": date, "bench": name, "code": key,
+                        "goals": {g.goal: [g.text, g.met] for g in rows}})
+
+
+def section_goals(results: dict, history: list[dict] | None = None) -> list[str]:
+    """The goals table: this run's numbers, and every recorded run of the same code."""
+    keys: dict[str, str] = {}
     out = ["## Goals (issue #19)", "",
-           "| goal | measured (median) | | noise |", "|---|---|---|---|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
+           "The last run of each benchmark; *runs of this code*: every run recorded in "
+           "bench/results/history.json of the same sources (the package's and the "
+           "benchmark's), oldest first: on this shared 2-core VM a ratio moves from run "
+           "to run, sometimes across its goal.", "",
+           "| goal | measured (median) | | noise | runs of this code |", "|---|---|---|---|---|"]
+    for g in goal_rows(results):
+        status = "-" if g.met is None else (g.label or "met") if g.met else "**not met**"
+        if g.bench not in keys:
+            keys[g.bench] = code_key(g.bench)
+        runs = [h["goals"][g.goal] for h in history or ()
+                if h["bench"] == g.bench and h["code"] == keys[g.bench] and g.goal in h["goals"]]
+        seen = "-"
+        if len(runs) > 1:
+            short = [t.split(" timed")[0] if "timed" in t else t for t, _ in runs]
+            seen = f"{', '.join(short)}: met in {sum(m for _, m in runs)} of {len(runs)}"
+        out.append(f"| {g.goal} | {g.text} | {status} | {g.noise} | {seen} |")
     return out + [""]
 
 
@@ -366,13 +424,13 @@ SECTIONS = {
 }
 
 
-def write_doc(results: dict, info: dict, notes: str) -> None:
+def write_doc(results: dict, info: dict, notes: str, history: list[dict]) -> None:
     lines = ["# Performance", "",
              "Measured by `make bench` (bench/run_all.py): every comparison runs side by side in "
              "one run on the same machine. Numbers are medians unless marked.", "",
              "| machine | |", "|---|---|"]  # date: when each section was last measured
     lines += [f"| {k} | {v} |" for k, v in info.items()] + [""]
-    lines += section_goals(results)
+    lines += section_goals(results, history)
     for name, fn in SECTIONS.items():
         if name in results:
             lines += fn(results[name])
@@ -387,6 +445,7 @@ def main(argv: list[str]) -> int:
     results = {}
     dates_path = RESULTS / "dates.json"
     dates = json.loads(dates_path.read_text()) if dates_path.exists() else {}
+    history = json.loads(HISTORY.read_text()) if HISTORY.exists() else []
     for name in BENCHES:
         path = RESULTS / f"{name}.json"
         if name in names:
@@ -395,8 +454,10 @@ def main(argv: list[str]) -> int:
                 results[name] = BENCHES[name].main()
                 save(name, results[name])
                 dates[name] = info["date"]
+                record(history, name, results[name], info["date"], code_key(name))
                 # now: a later bench that fails must not leave this one's old date
                 dates_path.write_text(json.dumps(dates, indent=1) + "\n")
+                HISTORY.write_text(json.dumps(history, indent=1) + "\n")
             except Exception:  # noqa: BLE001 - report and continue with the others
                 traceback.print_exc()
                 return 1
@@ -405,7 +466,7 @@ def main(argv: list[str]) -> int:
     dates_path.write_text(json.dumps(dates, indent=1) + "\n")
     info["date"] = "; ".join(f"{n} {dates[n]}" for n in BENCHES if n in results and n in dates)
     notes_path = Path(__file__).parent / "NOTES.md"
-    write_doc(results, info, notes_path.read_text() if notes_path.exists() else "")
+    write_doc(results, info, notes_path.read_text() if notes_path.exists() else "", history)
     print(f"wrote {DOC}")
     return 0
 
