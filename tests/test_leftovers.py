@@ -458,6 +458,28 @@ def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None
                 p.unlink(missing_ok=True)
 
 
+def test_a_stop_prunes_the_folders_of_stopped_sessions_beyond_the_newest(tmp_path, monkeypatch
+                                                                        ) -> None:
+    """Folders kept after a stop (a rank's output past the limit, a broken session's
+    logs) must not pile up until someone runs %mlxdist cleanup."""
+    monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
+    root = runtime.runtime_root()
+    base = _sid()[:-2]
+    kept = [f"{base}{k:02x}" for k in range(processes.KEEP_SESSIONS + 2)]  # newest first
+    for k, sid in enumerate(kept):
+        _record(root / sid, sid, 1, 1.0, [], state="stopped")
+        (root / sid / "output").mkdir()
+        (root / sid / "output" / "cell3-rank0.txt").write_text("output past the limit")
+        stamp = time.time() - 60 * (k + 1)
+        os.utime(root / sid / "session.json", (stamp, stamp))
+    with Session(2, spare=False) as s:
+        s.run("x = 1")
+        own = s.directory
+    assert own is not None and not own.exists()  # a clean stop leaves nothing of its own
+    left = sorted(p.name for p in root.iterdir())
+    assert left == sorted(kept[: processes.KEEP_SESSIONS]), left
+
+
 def test_cleanup_without_dev_shm_skips_segments_silently(tmp_path, monkeypatch) -> None:
     """macOS has no /dev/shm (sessions there make no segments)."""
     from mlx_nbdist import watchdog

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from .. import _ipp, config, launchers, runtime
+from .. import _ipp, config, launchers, processes, runtime
 from .. import hosts as _hosts
 from ..backend_check import check_mlx
 from ..cellcheck import refuse_top_level_await
@@ -370,6 +370,10 @@ class Session:
             # a clean stop leaves nothing; a broken session's or a failed start's
             # folder stays for its logs (pruned later, see processes.prune)
             runtime.discard(self.directory)
+        # the folders kept (logs, output past the limit) go once 20 newer sessions
+        # stopped, or after a day: without this only %mlxdist cleanup removed them
+        with contextlib.suppress(OSError):
+            processes.prune(runtime.runtime_root())
 
     def restart(self, progress: Progress | None = None) -> Session:
         """New engines, same N, backend and launcher; rank r is still rank r.
