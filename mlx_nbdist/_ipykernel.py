@@ -9,7 +9,10 @@ over so that fd output and ``print`` output reach the notebook in the order they
 were written: it must tell whether a stream watches (its pipe's read end, ``_fid``,
 and ``_should_watch``), wait for that pipe to empty, and stop and restart the
 forwarding (``_should_watch``). ipykernel has no public API for any of this. The
-original fd is public: a watching stream's ``fileno()``.
+original fd is public: a watching stream's ``fileno()``. A flush with nothing to send
+still waits for the kernel's IO thread, so a rank's stream skips it, and only when the
+``OutStream`` holds no text either (``_flush_pending``, set by its ``write`` until its
+IO thread sends): text written to it past our wrapper must still go with its cell.
 
 **Kernel subshells for the dashboard's buttons** (:mod:`mlx_nbdist.viz.dashboard`).
 A widget click waits behind a running cell unless the kernel delivers it to a
@@ -47,6 +50,12 @@ def watched_pipe(out: Any) -> int | None:
     fid = getattr(out, "_fid", None)
     original = getattr(out, "_original_stdstream_copy", None)
     return int(fid) if watching and fid is not None and original is not None else None
+
+
+def flush_pending(out: Any) -> bool:
+    """Whether ``out`` (an ``OutStream``) holds text its IO thread has not sent yet
+    (``True`` when it cannot tell: not an ``OutStream``, or another ipykernel)."""
+    return bool(getattr(out, "_flush_pending", True))
 
 
 def set_forwarding(out: Any, on: bool) -> None:

@@ -342,3 +342,12 @@ def test_the_limit_is_set_per_cell_and_by_the_magic(session2: Session) -> None:
     finally:
         ip.run_line_magic("config", f"MLXDist.output_limit = {1 << 20}")
         api.set_current_session(None)
+
+
+def test_text_written_past_the_wrapper_still_comes_with_its_cell(session2: Session) -> None:
+    # a writer that kept the kernel's own stream (taken before the rank's streams were
+    # wrapped) bypasses the wrapper: the cell's end must still flush what it wrote
+    code = "import sys\nsys.stdout.out.write(f'direct {rank}\\n')\n"
+    for _ in range(3):
+        r = session2.run(code)
+        assert [r.ranks[k].stdout for k in (0, 1)] == ["direct 0\n", "direct 1\n"]

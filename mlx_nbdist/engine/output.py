@@ -335,11 +335,12 @@ class OrderedStream(io.TextIOBase):
             self._flush_out()
 
     def _flush_out(self) -> None:
-        if not self.dirty:
-            # nothing of ours waits in ``out``: its flush would only wait for the
-            # kernel's IO thread (~0.4 ms, twice a request: one cell or call in ten
-            # on 2 cores). Messages queued there (displays, the idle status) stay in
-            # order without it; the notebook waits for the idle status.
+        if not self.dirty and not _ipykernel.flush_pending(self.out):
+            # no text waits in ``out`` (neither ours nor a writer's that kept the
+            # kernel's stream): its flush would only wait for the kernel's IO thread
+            # (~0.4 ms, twice a request: one cell or call in ten on 2 cores).
+            # Messages queued there (displays, the idle status) stay in order without
+            # it; the notebook waits for the idle status.
             return
         self.dirty = False
         try:
