@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from . import mismatch
 from .engine.cells import LEDGER_KEY
 from .errors import CellError, CellInterrupted, CollectiveTimeout, strip_ansi
 from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
@@ -86,12 +87,16 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
     out = LedgerCheck()
     digests = {r: (ledgers.get(r) or {}).get("digest", _NONE) for r in ran}
     if len(set(digests.values())) > 1:
+        heads = {
+            r: {i + 1: mismatch.signature(*sig) for i, sig in enumerate(led.get("head", []))}
+            for r, led in ledgers.items()
+            if r in digests
+        }
         counts = ", ".join(f"rank {r}: {_collectives(ledgers.get(r))}" for r in sorted(digests))
-        out.problems.append(
-            f"the ranks issued different collectives in this cell ({counts}); a collective "
-            "paired with a different one on another rank gives wrong values. All ranks must "
-            "issue the same collectives, with the same shapes and dtypes, in the same order."
+        found = mismatch.first_mismatch(heads) or (
+            f"the ranks issued different collectives in this cell ({counts})"
         )
+        out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():

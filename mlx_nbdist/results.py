@@ -44,6 +44,9 @@ class CollectiveRecord:
         cell: the cell number in which it was issued.
         index: 1-based position among the collectives this rank issued in that cell.
         check: issued by ``--check-collectives`` to compare signatures (not user code).
+        group_index: 1-based position among the collectives over the whole group
+            that this rank issued in that cell (0: point-to-point, or a subgroup's);
+            the same position must hold the same collective on every rank.
     """
 
     seq: int
@@ -55,6 +58,7 @@ class CollectiveRecord:
     cell: int = 0
     index: int = 0
     check: bool = False
+    group_index: int = 0
 
     def describe(self) -> str:
         peer = f" peer={self.peer}" if self.peer is not None else ""

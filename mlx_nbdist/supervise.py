@@ -36,6 +36,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from . import mismatch
 from .config import Policy
 from .results import DIED, DRAINED, ERROR, KILLED, PAUSED, CollectiveRecord, RankFailure, RankStack
 
@@ -230,7 +231,32 @@ class Supervisor:
             self.out.broken = problem
             return
         self._check_dead()
+        self._check_mismatch()
         self._check_deadlock()
+
+    def _check_mismatch(self) -> None:
+        """Two ranks' n-th collectives over the whole group in this cell differ (op,
+        shape or dtype): the values are wrong whatever happens next, and a rank may wait
+        for data that never comes. The running ranks are ended (the group's streams are
+        out of step: a restart is needed)."""
+        running = self._running()
+        if not running:
+            return
+        by_rank = {
+            r: {
+                rec.group_index: mismatch.signature(rec.op, rec.shape, rec.dtype, rec.check)
+                for rec in self._cell_records(r)
+                if rec.group_index
+            }
+            for r in self.futures
+            if r not in self.out.failures
+        }
+        found = mismatch.first_mismatch(by_rank)
+        if found is None:
+            return
+        self.out.valid = False
+        self.out.broken = self.out.broken or f"{found}. {mismatch.CONSEQUENCE}"
+        self._end(running, "the ranks issued different collectives")
 
     def _check_dead(self) -> None:
         # Not only the pending ranks: ipyparallel may already have failed the future

@@ -316,6 +316,46 @@ def test_mismatched_shapes_are_caught_with_check_collectives(session2: Session) 
     assert_works(session2)
 
 
+def test_mismatched_shapes_without_checks_end_the_cell_and_name_both(fresh2: Session) -> None:
+    """No --check-collectives: rank 0's all_sum of 4 floats pairs with rank 1's of 6,
+    returns wrong values on rank 0 and leaves rank 1 waiting; the supervisor compares
+    the ranks' records while the cell runs and ends it, naming both, long before the
+    deadline (before, the cell hung until it and the error named neither shape)."""
+    code = (
+        "n = 4 if rank == 0 else 6\n"
+        "y = mx.distributed.all_sum(mx.ones(n) * (rank + 1), group=world)\nprint(y)"
+    )
+    with pytest.raises(CellError) as info:
+        fresh2.run(code, timeout=60)
+    err = info.value
+    assert not isinstance(err, CollectiveTimeout)
+    text = str(err)
+    assert "collective 1 of this cell differs between the ranks" in text
+    assert "rank 0: all_sum shape=(4,) dtype=float32" in text
+    assert "rank 1: all_sum shape=(6,) dtype=float32" in text
+    assert not err.result.valid
+    assert fresh2.state == "broken"
+    fresh2.restart()
+    assert_works(fresh2)
+
+
+def test_mismatched_shapes_that_both_return_are_named_after_the_cell(session2: Session) -> None:
+    """Same element count, other shapes: both ranks return (wrong values); the ranks'
+    ledgers differ and the error names each rank's collective."""
+    code = (
+        "y = mx.distributed.all_sum(mx.arange(6).reshape((2, 3) if rank == 0 else (3, 2)),"
+        " group=world)\nmx.eval(y)"
+    )
+    with pytest.raises(CellError) as info:
+        session2.run(code, timeout=60)
+    text = str(info.value)
+    assert "rank 0: all_sum shape=(2, 3) dtype=int32" in text
+    assert "rank 1: all_sum shape=(3, 2) dtype=int32" in text
+    assert not info.value.result.valid
+    assert session2.state == "ready"
+    assert_works(session2)
+
+
 def test_kernel_death_leaves_nothing_running(tmp_path) -> None:
     """A client process killed with SIGKILL: its engines and controller go too."""
     import subprocess

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ..mismatch import LEDGER_HEAD
 from ..results import CollectiveRecord
 from . import dtypes
 
@@ -94,6 +95,8 @@ class Tracker:
         self.cell_count = 0
         self._digest = hashlib.blake2b(digest_size=8)
         self._collectives = 0  # group collectives (not point-to-point) in the digest
+        #: the first of them, ``[op, shape, dtype, check]``: what differs, when digests do
+        self._head: list[list[Any]] = []
         #: per peer, one ``[nbytes, dtype, shape, k]`` per message, in order; ``k`` is
         #: how many group collectives this rank issued before it (ring shares streams)
         self._sent: dict[int, list[list[Any]]] = {}
@@ -158,6 +161,7 @@ class Tracker:
                 "n": self.cell_count,
                 # "none" when it issued no group collective (an idle rank has no ledger)
                 "digest": self._digest.hexdigest() if self._collectives else "none",
+                "head": list(self._head),
                 "sent": {str(p): list(v) for p, v in self._sent.items()},
                 "recvd": {str(p): list(v) for p, v in self._recvd.items()},
             }
@@ -211,19 +215,25 @@ class Tracker:
             if check or getattr(self._internal, "depth", 0):
                 self.internal_count += 1
                 self.internal_bytes += nbytes
+            group_index = 0
+            if world and op not in P2P:
+                self._collectives += 1
+                group_index = self._collectives
+                sig = _signature_bytes(op, shape, dtype, check)
+                self._digest.update(sig)
+                if len(self._head) < LEDGER_HEAD:
+                    self._head.append([op, list(shape), dtype, check])
             rec = CollectiveRecord(
-                self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check
+                self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check,
+                group_index,
             )
             self.recent.append(rec)
-            if world:
+            if world and op in P2P and peer is not None:
                 msg = [nbytes, dtype, list(shape), self._collectives]
-                if op == "send" and peer is not None:
+                if op == "send":
                     self._sent.setdefault(int(peer), []).append(msg)
-                elif op in ("recv", "recv_like") and peer is not None:
-                    self._recvd.setdefault(int(peer), []).append(msg)
                 else:
-                    self._collectives += 1
-                    self._digest.update(_signature_bytes(op, shape, dtype, check))
+                    self._recvd.setdefault(int(peer), []).append(msg)
         return rec
 
     def _hold(self, rec: CollectiveRecord, out: Any) -> None:
