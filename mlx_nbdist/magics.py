@@ -174,6 +174,25 @@ def _line_parser() -> _Parser:
 
 
 @functools.cache
+def _without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes, as in a shell or
+    Python (``%mlxdist start -n 2  # two ranks``); ``a#b`` and ``'# x'`` stay."""
+    quote = ""
+    escaped = False
+    for i, ch in enumerate(line):
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
 def _cell_parser() -> _Parser:
     """Built once: it runs before every cell (parsers keep no state between parses)."""
     p = _Parser(prog="%%mlxdist", add_help=False)
@@ -271,7 +290,7 @@ class MLXDist(Magics):
     @staticmethod
     def _parse(parser: _Parser, line: str) -> argparse.Namespace:
         try:
-            words = shlex.split(line)
+            words = shlex.split(_without_comment(line))
         except ValueError as e:
             raise UsageError(f"%mlxdist: {e}") from None
         return parser.parse_args(words)

@@ -56,7 +56,8 @@ def test_usage_errors_are_one_line(ip, capfd, line: str, expected: str) -> None:
 
 
 def test_start_cell_status_and_errors(ip, capfd) -> None:
-    res, out, _ = run(ip, "%mlxdist start -n 2", capfd)
+    # a comment ends a magic's line, as in the README's first cell
+    res, out, _ = run(ip, "%mlxdist start -n 2            # controller + 2 engines", capfd)
     assert res.success, out
     assert "MLX group ready: 2 ranks, backend=ring, launcher=local" in out
     assert "engines registered: 2/2" in out
@@ -83,7 +84,7 @@ def test_start_cell_status_and_errors(ip, capfd) -> None:
     assert "Out[rank 0]: 12.0" in out[i0:i1]
     assert "1 [3.0, 3.0, 3.0, 3.0]" in out[i1:]
 
-    res, out, _ = run(ip, "%%mlxdist --ranks 1 --quiet\nprint('hidden', rank)", capfd)
+    res, out, _ = run(ip, "%%mlxdist --ranks 1 --quiet  # rank 1 only\nprint('hidden', rank)", capfd)
     assert res.success and "hidden" not in out
 
     res, out, _ = run(ip, "%mlxdist status", capfd)
@@ -158,6 +159,24 @@ def test_start_without_a_spare(ip, capfd) -> None:
     res, out, _ = run(ip, "%mlxdist status", capfd)
     assert "spare engines for the next restart: off (spare=False): a restart starts new" in out
     run(ip, "%mlxdist stop", capfd)
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("start -n 2   # two ranks", ["start", "-n", "2"]),
+        ("# only a comment", []),
+        ("show model.w#1", ["show", "model.w#1"]),  # not at a word's start: kept
+        ("gradsync m --step 'loss(m, x)  # y'", ["gradsync", "m", "--step", "loss(m, x)  # y"]),
+        ('--step "a \\" # b" # c', ["--step", 'a " # b']),
+    ],
+)
+def test_a_hash_that_starts_a_word_outside_quotes_starts_a_comment(line, words) -> None:
+    import shlex
+
+    from mlx_nbdist.magics import _without_comment
+
+    assert shlex.split(_without_comment(line)) == words
 
 
 def test_cell_line_is_parsed_once_per_line_and_bad_lines_fail_each_time() -> None:
