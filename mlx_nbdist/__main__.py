@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Start N ranks (one MLX group), run SCRIPT on every rank as one cell in "
         "this directory, print each rank's lines as they arrive behind [rank r], stop the "
         "session. Exit status: 0 when every rank finished, 1 when a rank failed (named), "
+        "k when the script called sys.exit(k), "
         "2 when the session could not start. An exported notebook "
         "(%mlxdist export) runs here as under mlx.launch.",
     )
@@ -44,12 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=None,
                      help="deadline in seconds (default: none)")
     run.add_argument("script", help="the Python file to run")
+    run.add_argument("args", nargs=argparse.REMAINDER,
+                     help="the script's arguments (its sys.argv[1:])")
     args = p.parse_args(argv)
     if args.cmd == "run":
         from .script import run_file
 
         try:
-            return run_file(args.script, args.n, args.backend, timeout=args.timeout)
+            return run_file(args.script, args.n, args.backend, timeout=args.timeout,
+                            args=args.args)
         except KeyboardInterrupt:
             print("mlx_nbdist run: interrupted; the session was stopped", file=sys.stderr)
             return 130

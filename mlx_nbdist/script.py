@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -95,8 +96,10 @@ def _check_size(got: int, want: int, backend: Backend) -> None:
 
 
 def _how(n: int, backend: Backend) -> str:
-    return (f"launch it with `mlx.launch -n {n} --backend {backend.value} -- python SCRIPT` "
-            f"or `python -m mlx_nbdist run -n {n} --backend {backend.value} SCRIPT`")
+    # under mlx.launch and mlx_nbdist run alike, sys.argv[0] is the script's path
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "SCRIPT"
+    return (f"launch it with `mlx.launch -n {n} --backend {backend.value} -- python {script}` "
+            f"or `python -m mlx_nbdist run -n {n} --backend {backend.value} {script}`")
 
 
 def load_checkpoint(model: Any, directory: str | os.PathLike[str], optimizer: Any = None
@@ -243,17 +246,20 @@ class _Printer:
 
 def run_file(path: str | os.PathLike[str], n: int, backend: str | None = None, *,
              timeout: float | None = None, out: IO[str] | None = None,
-             err: IO[str] | None = None) -> int:
+             err: IO[str] | None = None, args: Sequence[str] = ()) -> int:
     """Run a script on ``n`` ranks of a new session (``python -m mlx_nbdist run``).
 
-    The file runs as one cell on every rank, in this process's working directory;
+    The file runs as one cell on every rank, in this process's working directory,
+    with ``__file__`` and ``sys.argv`` (``[path, *args]``) as under ``mlx.launch``;
     each rank's stdout and stderr are printed as they arrive, every line prefixed
     ``[rank r]``. The session is stopped whatever happens.
 
     Returns:
-        0 when every rank finished, 1 when a rank failed (its traceback and the failing
-        ranks are printed on ``err``), 2 when the file is unreadable or the session
-        could not start.
+        0 when every rank finished (or called ``sys.exit(0)``); the status of a
+        ``sys.exit(k)`` when that was every failure; 1 when a rank failed (its
+        traceback, with the script's file and lines, and the failing ranks are
+        printed on ``err``); 2 when the file is unreadable or the session could not
+        start.
     """
     from .session import Session
 
@@ -273,34 +279,88 @@ def run_file(path: str | os.PathLike[str], n: int, backend: str | None = None, *
         return 2
     printer = _Printer(out, err, prefix=True)
     try:
-        session.apply(os.chdir, os.getcwd())
+        session.apply(_prepare_rank, os.getcwd(), str(p), list(args))
         try:
             # a script's last expression is not shown, as under mlx.launch (a cell's is)
-            session.run(code + "\npass\n", on_output=printer, name=str(p))
+            cell = code + ("" if code.endswith("\n") else "\n") + _TAIL
+            session.run(cell, on_output=printer, name=str(p))
         except CellError as e:
             printer.close()
-            _report(e, p, n, err)
-            return 1
+            return _report(e, p, n, err, tail_line=len(cell.splitlines()))
         printer.close()
         return 0
     finally:
         session.stop()
 
 
-def _report(e: CellError, path: Path, n: int, err: IO[str]) -> None:
-    """The failing ranks' tracebacks (ranks that failed alike once), then one line
-    naming them."""
+#: after the script: its last expression is then not shown as a cell's value
+_TAIL = "pass\n"
+
+
+def _prepare_rank(cwd: str, file: str, argv: list[str]) -> None:
+    """On a rank, before the script: its directory, ``__file__``, ``sys.argv``, and no
+    IPython advice on how to leave a shell when the script calls ``sys.exit``."""
+    import warnings
+
+    from IPython import get_ipython
+
+    os.chdir(cwd)
+    sys.argv = [file, *argv]
+    shell = get_ipython()
+    if shell is not None:
+        shell.user_ns["__file__"] = file
+    warnings.filterwarnings("ignore", message="To exit: use 'exit', 'quit', or Ctrl-D")
+
+
+def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) -> int:
+    """The failing ranks' tracebacks (ranks that failed alike once; the script's file
+    and lines where IPython names the cell), then one line naming them. Returns the
+    exit status: a ``sys.exit(k)`` that was every failure gives ``k``."""
     import re
 
+    from .results import DIED, ERROR, PAUSED
+
+    exits = [f for f in e.failures if f.ename == "SystemExit"]
+    if exits and len(exits) == len(e.failures):
+        codes = [_exit_status(f.evalue) for f in exits]
+        status = max(codes, key=abs)
+        if status:
+            ranks = ", ".join(str(f.rank) for f in exits if _exit_status(f.evalue))
+            print(f"mlx_nbdist run: {path} exited with status {status} (sys.exit on rank "
+                  f"{ranks})", file=err)
+        return status
     ansi = re.compile(r"\x1b\[[0-9;]*m")
+    cell = re.compile(r"Cell In\[\d+\], line (\d+)")
+    tail = re.compile(rf"^\s*{tail_line}\s+pass\s*$")
     for g in e.groups:
         print(g.headline(), file=err)
         for line in g.first.traceback:
-            print(ansi.sub("", line.rstrip("\n")), file=err)
+            line = ansi.sub("", line.rstrip("\n"))
+            line = "\n".join(
+                cell.sub(lambda m: f'File "{path}", line {m[1]}', x)
+                for x in line.split("\n")
+                if not tail.match(x)
+            )
+            print(line, file=err)
     if e.summary:
         print(e.summary, file=err)
-    ranks = sorted(f.rank for f in e.failures)
+    # the ranks that failed, not those released or ended because a peer did
+    ranks = sorted(f.rank for f in e.failures if f.cause in (ERROR, DIED, PAUSED))
+    ranks = ranks or sorted(f.rank for f in e.failures)
     which = ", ".join(map(str, ranks))
     print(f"mlx_nbdist run: {path} failed on rank{'s' if len(ranks) > 1 else ''} {which} "
           f"of {n}", file=err)
     err.flush()
+    return 1
+
+
+def _exit_status(evalue: str) -> int:
+    """A ``SystemExit``'s status, as Python's interpreter gives it: ``None`` or nothing
+    is 0, an integer is itself, anything else (a message) is 1."""
+    text = evalue.strip()
+    if text in ("", "None"):
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        return 1

@@ -392,14 +392,16 @@ def test_a_script_save_that_fails_on_one_rank_keeps_the_checkpoint(resumed, tmp_
     assert after == before
 
 
-def launch(path: Path, n: int, *, mlx_launch: bool = False, cwd: Path | None = None
-           ) -> subprocess.CompletedProcess[str]:
-    """Run the script ``path`` on ``n`` ranks: ``python -m mlx_nbdist run`` (or MLX's
-    ``mlx.launch --backend ring``), output captured, in ``cwd`` (default: its folder)."""
+def launch(path: Path, n: int, *, mlx_launch: bool = False, cwd: Path | None = None,
+           args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run the script ``path`` on ``n`` ranks with ``args``: ``python -m mlx_nbdist run``
+    (or MLX's ``mlx.launch --backend ring``), output captured, in ``cwd`` (default: its
+    folder)."""
     if mlx_launch:
         cmd = [str(MLX_LAUNCH), "-n", str(n), "--backend", "ring", "--", "python", str(path)]
     else:
         cmd = [sys.executable, "-m", "mlx_nbdist", "run", "-n", str(n), str(path)]
+    cmd += args
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=cwd or path.parent)
@@ -437,18 +439,41 @@ def test_mlx_nbdist_run_prints_each_ranks_lines_and_the_same_numbers(exported):
 
 
 def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
+    """Rank 1 raises; rank 0, waiting in the next all_sum, is released: the traceback
+    names the script's file and line, and the last line names rank 1 only."""
     bad = tmp_path / "bad.py"
     bad.write_text(
         "import mlx_nbdist.script\n"
         "world, rank, size = mlx_nbdist.script.init(backend='ring', size=2)\n"
         "print(f'rank {rank} ran')\n"
         "if rank == 1:\n"
-        "    raise ValueError('no data on this rank')\n")
+        "    raise ValueError('no data on this rank')\n"
+        "mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))\n")
     done = launch(bad, 2)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "[rank 0] rank 0 ran" in done.stdout
     assert "ValueError: no data on this rank" in done.stderr
+    assert f'File "{bad}", line 5' in done.stderr and "Cell In[" not in done.stderr, done.stderr
+    assert " pass" not in done.stderr  # the line run_file adds after the script
     assert done.stderr.rstrip().endswith(f"{bad} failed on rank 1 of 2"), done.stderr
+
+
+def test_run_gives_the_script_its_file_arguments_and_exit_status(tmp_path: Path):
+    """As under mlx.launch: ``__file__``, ``sys.argv`` and ``sys.exit``'s status."""
+    script = tmp_path / "args.py"
+    script.write_text(
+        "import sys\n"
+        "import mlx.core as mx\n"
+        "rank = mx.distributed.init().rank()\n"
+        "print('file', __file__, 'argv', sys.argv[1:])\n"
+        "sys.exit(int(sys.argv[2]) if rank == 1 else 0)\n")
+    done = launch(script, 2, args=("--code", "3"))
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert f"[rank 0] file {script} argv ['--code', '3']" in done.stdout, done.stdout
+    assert "To exit" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "exited with status 3 (sys.exit on rank 1)" in done.stderr
+    done = launch(script, 2, args=("--code", "0"))
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
 
 
 def test_another_number_of_ranks_is_refused_naming_both(exported):
