@@ -30,6 +30,15 @@ def set_current_session(session: Session | None) -> None:
 def current_session(required: bool = True) -> Session | None:
     """The session started by ``%mlxdist start`` (or :func:`start`)."""
     if _CURRENT is None and required:
+        from .engine import state  # imports neither MLX nor the engine's modules
+
+        if state.started():  # called in a %%mlxdist cell, on a rank
+            raise NotStartedError(
+                f"this runs in the notebook, not on a rank (this is rank {state.current().rank}"
+                "): it drives every rank from there. In a %%mlxdist cell use the rank's own "
+                "functions: mlx_nbdist.script.load_checkpoint(model, directory) and "
+                "save_checkpoint(...), mlx_nbdist.shard(model, ...), mx.distributed's "
+                "collectives")
         raise NotStartedError("no session: run %mlxdist start -n N first")
     return _CURRENT
 

@@ -32,6 +32,7 @@ from mlx_nbdist.checkpoint_index import (
     covering_runs,
     pieces,
 )
+from mlx_nbdist.errors import CellError
 from mlx_nbdist.results import ShardMode
 
 # ------------------------------------------------------------------ pure arithmetic
@@ -376,6 +377,17 @@ def test_a_model_missing_on_a_rank_is_refused_naming_it(s2: Any, tmp_path: Path)
     with pytest.raises(CheckpointError, match=r"rank 1: not defined"):
         save("only0", tmp_path / "x", session=s2)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_notebooks_loader_called_in_a_cell_says_where_it_runs(s2: Any, tmp_path: Path):
+    """mlx_nbdist.load_checkpoint drives the ranks from the notebook; on a rank it says
+    so and names the rank-side function, not 'no session: run %mlxdist start'."""
+    with pytest.raises(CellError) as info:
+        s2.run(f"mlx_nbdist.load_checkpoint('net', {str(tmp_path)!r})")
+    text = str(info.value)
+    assert "this runs in the notebook, not on a rank (this is rank 0)" in text, text
+    assert "mlx_nbdist.script.load_checkpoint(model, directory)" in text
+    assert "%mlxdist start" not in text
 
 
 def test_another_models_folder_is_refused_unless_overwrite(s2: Any, saved_tp: Path,

@@ -72,11 +72,11 @@ def test_heads_that_do_not_divide_are_refused_before_anything_moves(lm):
     model = lm["build_lm"]("llama", hidden_size=96, num_attention_heads=3,
                            num_key_value_heads=1)
     p = plan(model, "megatron", group_size=2)
-    want = ("model.layers.0.self_attn: 3 heads and 1 kv heads do not divide by 2 ranks "
+    want = ("model.layers.0.self_attn: 3 heads and 1 kv head do not divide by 2 ranks "
             "(each rank must hold whole heads)")
     assert want in p.problems and len(p.problems) == 2  # one per layer
     assert "3 heads" in plan_table_html(p.rows, 2, problems=p.problems, heads=p.heads)
-    with pytest.raises(ShardingError, match="3 heads and 1 kv heads do not divide by 2"):
+    with pytest.raises(ShardingError, match="3 heads and 1 kv head do not divide by 2"):
         p.check()  # what shard() runs first (on a real group: test_transformers.py)
 
 
@@ -86,10 +86,10 @@ def test_grouped_query_heads_that_divide_two_ranks_but_not_four(lm):
     two, four = plan(model, "megatron", group_size=2), plan(model, "megatron", group_size=4)
     assert two.ok, two.problems
     assert [(h.heads_per_rank, h.kv_heads_per_rank) for h in two.heads] == [(4, 1), (4, 1)]
-    want = ("model.layers.0.self_attn: 8 heads and 2 kv heads do not divide by 4 ranks "
-            "(each rank must hold whole heads)")
+    want = ("model.layers.0.self_attn: 2 kv heads do not divide by 4 ranks "
+            "(each rank must hold whole heads; its 8 heads do)")
     assert want in four.problems and len(four.problems) == 2, four.problems
-    with pytest.raises(ShardingError, match="8 heads and 2 kv heads do not divide by 4"):
+    with pytest.raises(ShardingError, match="2 kv heads do not divide by 4"):
         four.check()
 
 
@@ -107,9 +107,10 @@ def test_the_flow_check_flags_the_old_alternating_layout(lm):
                    "model.layers.*.self_attn.v_proj": "all-to-sharded",
                    "model.layers.*.self_attn.o_proj": "sharded-to-all"}
     p = plan(model, alternating, group_size=2)
-    bad = [w for w in p.warnings if "self_attn (attention block)" in w]
+    bad = [w for w in p.problems if "self_attn (attention block)" in w]  # refused, not run
     assert len(bad) == 2 and "k_proj sharded-to-all" in bad[0]
     assert "q_proj all-to-sharded, k_proj all-to-sharded" in bad[0]  # what it needs
+    assert "megatron shards it so, 4 heads and 2 kv heads divided over 2 ranks" in bad[0]
     # the right mapping by hand: silent, and its heads are divided like megatron's
     right = {**alternating, "model.layers.*.self_attn.k_proj": "all-to-sharded"}
     good = plan(model, right, group_size=2)
@@ -230,3 +231,33 @@ def test_shard_in_a_cell_warns_what_the_plan_warns():
 
     with pytest.warns(UserWarning, match="paired the Linear layers in the order"):
         shard(Branchy(), "megatron")
+
+
+@pytest.mark.parametrize("how", ["all-to-sharded", "sharded-to-all"])
+def test_a_flat_strategy_on_a_transformer_is_refused_naming_its_heads(lm, how):
+    """Every linear layer one way splits an attention's heads without dividing its head
+    counts: MLX's forward would fail deep inside (rope, a reshape). Refused, each block
+    named with what it needs and, where no layout can work, why."""
+    p = plan(lm["build_lm"]("llama", hidden_size=96, num_attention_heads=3,
+                            num_key_value_heads=3), how, group_size=2)
+    attn = [x for x in p.problems if "self_attn (attention block)" in x]
+    assert len(attn) == 2, p.problems
+    assert "o_proj sharded-to-all" in attn[0]  # what tensor parallelism needs
+    assert ("no layout can shard it across 2 ranks: 3 heads and 3 kv heads do not divide "
+            "by 2 ranks") in attn[0]
+    assert any("mlp (mlp block)" in x for x in p.problems)
+    with pytest.raises(ShardingError, match="attention block"):
+        p.check()
+
+
+def test_a_sharded_model_is_not_sharded_again(lm):
+    from mlx_nbdist.engine.sharding import _PlanningGroup  # noqa: PLC0415 - test only
+
+    model = lm["build_lm"]("llama")
+    model.shard(_PlanningGroup(2))  # mlx-lm's own layout
+    for how in ("megatron", "all-to-sharded"):
+        p = plan(model, how, group_size=2)
+        assert any(x.startswith("already sharded: model.layers.0.self_attn.q_proj "
+                                "(all-to-sharded)") for x in p.problems), (how, p.problems)
+        with pytest.raises(ShardingError, match="A model is sharded once"):
+            p.check()

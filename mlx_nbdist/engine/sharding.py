@@ -661,10 +661,33 @@ def plan(
             f"unknown sharding {sharding!r}; use one of {', '.join(STRATEGIES)} "
             "or a mapping {layer path or glob: mode}")
     result.layer_modes = {p: m for p, m in modes.items() if RULES[m].convert is not None}
+    _refuse_resharding(nodes, by_path, result,
+                       strategy=None if isinstance(sharding, Mapping) else sharding)
     _plan_heads(blocks, result)
     _plan_layers(nodes, by_path, modes, result)
     _flag_flow(nodes, by_path, modes, result, blocks)
     return result
+
+
+def _refuse_resharding(nodes: list[_Node], by_path: dict[str, _Node], result: ShardPlan,
+                       *, strategy: str | None) -> None:
+    """A layer is sharded once: converting a layer MLX already sharded fails deep in
+    MLX (or slices its slice again). A one-mode strategy applies to a model none of
+    whose layers is sharded yet (on a sharded one it would convert what is left, e.g.
+    only the head); megatron continues a hand-sharded start by its pairs, but not a
+    model with nothing left to convert; a mapping (``strategy`` None) names its
+    layers."""
+    again = {p: _current_mode(by_path[p].module) for p in result.layer_modes}
+    again = {p: m for p, m in again.items() if m is not None}
+    if not again and strategy is not None and (strategy != MEGATRON or not result.layer_modes):
+        again = {n.path: m for n in nodes if (m := _current_mode(n.module)) is not None}
+    if not again:
+        return
+    listed = ", ".join(f"{p or '(root)'} ({m})" for p, m in list(again.items())[:4])
+    more = f" and {len(again) - 4} more" if len(again) > 4 else ""
+    result.problems.append(
+        f"already sharded: {listed}{more}. A model is sharded once: build it again (with "
+        "the same seed on every rank) to shard it another way")
 
 
 def _tensor_parallel(module: nn.Module) -> bool:
@@ -809,7 +832,7 @@ def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _No
     after_blocks = transformer.find_blocks([(n.path, n.module) for n in after],
                                            sharded=_tensor_parallel)
     layers = {n.path: n.module for n in after}
-    result.warnings += _block_warnings(after_blocks, layers, {}, n_ranks)
+    result.warnings += _block_layouts(after_blocks, layers, {}, n_ranks)[1]
 
 
 def _own_row(path: str, arr: mx.array, node: _Node, new: _Node | None, n_ranks: int
@@ -1156,8 +1179,10 @@ def _flag_flow(
         if current is not None and not outputs.get(node.path):
             outputs[node.path] = RULES[current].output
     planned = {p: m for p, m in modes.items()}
-    result.warnings += _block_warnings(blocks, {n.path: n.module for n in nodes}, planned,
-                                       result.group_size)
+    problems, warned = _block_layouts(blocks, {n.path: n.module for n in nodes}, planned,
+                                      result.group_size)
+    result.problems += problems
+    result.warnings += warned
     inside = tuple(b.path + "." for b in blocks)
     nodes = [n for n in nodes if not (inside and n.path.startswith(inside))]
     sharded_by: str | None = None  # the all-to-sharded layer whose output is sharded
@@ -1193,10 +1218,15 @@ def _flag_flow(
             "stays split across ranks (each rank holds a slice of the features)")
 
 
-def _block_warnings(blocks: list[transformer.Block], layers: dict[str, nn.Module],
-                    planned: dict[str, ShardMode], n_ranks: int) -> list[str]:
-    """What is wrong with each block's layout (planned modes, else the layers' own)."""
-    out = []
+def _block_layouts(blocks: list[transformer.Block], layers: dict[str, nn.Module],
+                   planned: dict[str, ShardMode], n_ranks: int) -> tuple[list[str], list[str]]:
+    """What is wrong with each block's layout (planned modes, else the layers' own):
+    ``(problems, warnings)``. A layout this plan would make is a problem (an attention
+    or MLP block whose projections are not sharded by role cannot compute its
+    outputs: MLX's forward fails on a shape or gives other numbers); one found
+    already in the model is a warning."""
+    problems: list[str] = []
+    warned: list[str] = []
     for block in blocks:
         modes = {p: planned.get(p) or _current_mode(layers[p]) or ShardMode.REPLICATED
                  for p in block.modes}
@@ -1206,15 +1236,31 @@ def _block_warnings(blocks: list[transformer.Block], layers: dict[str, nn.Module
         if not right:
             got = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in modes.items())
             want = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in block.modes.items())
-            out.append(f"{block.path} ({block.kind} block) has {got}: its outputs will not "
-                       f"equal the unsharded model's; tensor parallelism needs {want}")
+            text = (f"{block.path} ({block.kind} block) has {got}: its outputs will not "
+                    f"equal the unsharded model's; tensor parallelism needs {want}")
+            if any(p in planned for p in block.modes):
+                problems.append(text + _megatron_hint(block, n_ranks))
+            else:
+                warned.append(text)
             continue
         if block.kind == transformer.BlockKind.ATTENTION and not any(
                 p in planned for p in block.modes):
             problem = transformer.head_problems(block, layers)
             if problem:
-                out.append(problem)
-    return out
+                warned.append(problem)
+    return problems, warned
+
+
+def _megatron_hint(block: transformer.Block, n_ranks: int) -> str:
+    """What --sharding megatron would do with ``block`` (its heads, for attention)."""
+    if block.kind != transformer.BlockKind.ATTENTION or block.refusal:
+        return " (--sharding megatron shards every block so)"
+    row = block.head_row(n_ranks)
+    if row.problem:
+        return (f"; and no layout can shard it across {n_ranks} ranks: "
+                f"{row.problem.split(': ', 1)[1]}")
+    return (f" (--sharding megatron shards it so, {row.heads} heads and {row.kv_heads} kv heads "
+            f"divided over {n_ranks} ranks)")
 
 
 # --------------------------------------------------------------------------- applying
