@@ -39,6 +39,7 @@ from .errors import (
     StartError,
 )
 from .history import ExportError, note_entry
+from .results import count
 from .session import Session
 from .viz.cells import display_cell
 from .viz.live import LiveOutput
@@ -428,7 +429,7 @@ class MLXDist(Magics):
         sharding = self._guard(models.parse_sharding, args.sharding)
         table = self._guard(lambda: models.shard(args.model, sharding, segments=args.segments,
                                                  session=self._session()))
-        print(f"sharded {args.model!r} across {table.group_size} ranks ({args.sharding})")
+        print(f"sharded {args.model!r} across {count(table.group_size, 'rank')} ({args.sharding})")
         for w in table.warnings:
             print(f"warning: {w}", file=sys.stderr)
         return table

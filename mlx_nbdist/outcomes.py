@@ -11,7 +11,7 @@ from typing import Any
 from . import mismatch
 from .engine.cells import LEDGER_KEY
 from .errors import CellError, CellInterrupted, CollectiveTimeout, strip_ansi
-from .results import DIED, ERROR, CellResult, RankFailure, RankOutput
+from .results import DIED, ERROR, CellResult, RankFailure, RankOutput, count
 from .supervise import Outcome, error_of
 
 #: IPython compiles a cell as a temporary file named by a hash of its source
@@ -120,7 +120,7 @@ def _collectives(ledger: dict[str, Any] | None) -> str:
     n = int(ledger.get("n", 0)) - sum(
         len(v) for key in ("sent", "recvd") for v in ledger.get(key, {}).values()
     )
-    return f"{n} collective{'s' if n != 1 else ''}"
+    return count(n, "collective")
 
 
 def _compare_messages(

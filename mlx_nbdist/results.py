@@ -29,6 +29,11 @@ DRAINED = "drained"
 PAUSED = "paused"
 
 
+def count(n: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a number and its noun, for messages."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @dataclass
 class CollectiveRecord:
     """One collective a rank issued through MLX (recorded on the engine).

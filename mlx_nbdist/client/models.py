@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import rpc
 from ..errors import CellError, ShardingError
 from ..history import shard_entry
-from ..results import GradSample, HeadRow, PlanRow, StageRow, TensorSlice
+from ..results import GradSample, HeadRow, PlanRow, StageRow, TensorSlice, count
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -138,7 +138,7 @@ def shard(
     table = _plan_table(model, sharding, segments, None, s, "shard")
     if table.problems:
         raise ShardingError(
-            f"cannot shard {model!r} across {table.group_size} ranks:\n  "
+            f"cannot shard {model!r} across {count(table.group_size, 'rank')}:\n  "
             + "\n  ".join(table.problems)
         )
     notes = _unwrap(s.apply, rpc.shard_model, model, sharding, segments)

@@ -71,7 +71,7 @@ from mlx.nn.layers import distributed as mxd
 from mlx.utils import tree_flatten
 
 from ..errors import ShardingError
-from ..results import HeadRow, PlanRow, ShardMode, StageRow
+from ..results import HeadRow, PlanRow, ShardMode, StageRow, count
 from . import _mlx, state, transformer
 from .dtypes import dtype_name, nbytes
 
@@ -394,8 +394,8 @@ class ShardPlan:
         """
         if self.problems:
             head = (
-                f"cannot shard with {self._strategy_text()} across {self.group_size} "
-                f"ranks: {len(self.problems)} problem(s)"
+                f"cannot shard with {self._strategy_text()} across "
+                f"{count(self.group_size, 'rank')}: {count(len(self.problems), 'problem')}"
             )
             raise ShardingError("\n  - ".join([head, *self.problems]))
         return self

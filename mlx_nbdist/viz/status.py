@@ -14,7 +14,7 @@ import time
 from typing import Protocol
 
 from mlx_nbdist import config
-from mlx_nbdist.results import RankInfo, RankState
+from mlx_nbdist.results import RankInfo, RankState, count
 from mlx_nbdist.viz.common import human_bytes
 
 #: Badge colour of each rank or session state in the dashboard.
@@ -73,7 +73,7 @@ def format_group(s: SessionFacts, ranks: bool = False) -> str:
         ranks: add one line per rank (device, host, pid, engine).
     """
     head = (
-        f"MLX group ready: {s.n} ranks, backend={s.backend}, launcher={s.launcher}, "
+        f"MLX group ready: {count(s.n, 'rank')}, backend={s.backend}, launcher={s.launcher}, "
         f"session {s.session_id}"
     )
     if not ranks:
@@ -94,7 +94,7 @@ def format_status(st: StatusFacts, now: float | None = None) -> str:
         now: the time busy ranks' running time is counted to (default: now).
     """
     lines = [
-        f"session {st.session_id or '-'}: {st.state}, {st.n} ranks, "
+        f"session {st.session_id or '-'}: {st.state}, {count(st.n, 'rank')}, "
         f"backend={st.backend}, launcher={st.launcher}, up {st.uptime:.0f} s"
     ]
     if st.broken_reason:
