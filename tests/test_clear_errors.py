@@ -299,8 +299,9 @@ def test_show_of_an_array_shaped_per_rank_names_the_shapes(on, odd, capfd, flag:
 @pytest.mark.parametrize("flag", ["", " --text"])
 def test_an_unknown_parameter_is_one_line_with_suggestions(on, odd, capfd, flag: str) -> None:
     res, out, err = run(on, f"%mlxdist show lin.weigth{flag}", capfd)
-    assert_one_line_usage_error(res, out, err, "'weigth' is not a parameter of Linear",
-                                "did you mean weight")
+    text = assert_one_line_usage_error(res, out, err, "'weigth' is not a parameter of Linear",
+                                       "did you mean weight")
+    assert "\"'weigth'" not in text  # the message, not its repr
 
 
 # --------------------------------------------------------------------------- 16c: grouping

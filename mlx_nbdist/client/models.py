@@ -392,11 +392,22 @@ def _unwrap(apply: Any, *args: Any, own: bool = False, lookup: bool = False,
         if ours or first.ename in ("NameError", "TypeError") or (
                 lookup and first.ename == "KeyError"):
             text = first.evalue
-            if first.ename == "KeyError" and len(text) > 1 and text[0] == text[-1] == "'":
-                text = text[1:-1]  # str(KeyError(msg)) is repr(msg)
+            if first.ename == "KeyError":
+                text = _unrepr(text)  # str(KeyError(msg)) is repr(msg)
             where = f"rank {first.rank}" if len(e.groups[0].ranks) == 1 else e.groups[0].label()
             raise ShardingError(f"[{where}] {text}") from None
         raise
+
+
+def _unrepr(text: str) -> str:
+    """``repr(msg)`` back to ``msg`` (either quote); other text as it is."""
+    import ast
+
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, str) else text
 
 
 def _group_size() -> int:
