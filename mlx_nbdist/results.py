@@ -293,6 +293,9 @@ class TensorSlice:
             when it does not send every value; else it is computed here, on first
             read, from ``data``.
         sampled: True when ``data`` is a strided sample rather than the whole slice.
+        unit: ``(size, name)`` when the sharded axis is made of whole units, e.g.
+            ``(32, "head")`` for an attention projection whose heads are 32 rows
+            (figures mark them); ``None`` otherwise.
     """
 
     name: str
@@ -306,6 +309,7 @@ class TensorSlice:
     data: np.ndarray | None = None
     summary: dict[str, float] = field(default_factory=dict)
     sampled: bool = False
+    unit: tuple[int, str] | None = None
 
     @property
     def replicated(self) -> bool:

@@ -78,6 +78,17 @@ def test_megatron_from_the_notebook_shows_heads_and_no_false_warnings(s2, lm):
     assert all(gap(o, want) < TOL for o in s2.pull("nb_out").values())
     report = mlx_nbdist.check("nb_lm", session=s2)
     assert report.ok and report.n_params > 0 and not report.only_on
+    # a query projection's figure marks its heads: 4 heads of 32 rows, 2 on each rank
+    got = mlx_nbdist.slices("nb_lm.model.layers.0.self_attn.q_proj.weight", session=s2)
+    assert {sl.unit for sl in got} == {(32, "head")}
+    fig = mlx_nbdist.show("nb_lm.model.layers.0.self_attn.q_proj.weight", session=s2)
+    lines = [a for ax in fig.axes for a in ax.get_children() if a.get_gid() == "unit-line"]
+    assert len(lines) == 2 * 3, len(lines)  # 3 boundaries in each of the two panels
+    assert "dashed lines: heads of 32 rows" in fig.get_suptitle()
+    o_proj = mlx_nbdist.slices("nb_lm.model.layers.0.self_attn.o_proj.weight", session=s2)
+    assert {sl.unit for sl in o_proj} == {(32, "head")} and {sl.axis for sl in o_proj} == {1}
+    mlp = mlx_nbdist.slices("nb_lm.model.layers.0.mlp.up_proj.weight", session=s2)
+    assert {sl.unit for sl in mlp} == {None}
     # a second shard, any strategy, is refused before any rank changes (it failed deep
     # in MLX, or converted what was left); the model still gives the same logits
     for how in ("megatron", "all-to-sharded"):

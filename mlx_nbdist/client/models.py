@@ -173,6 +173,7 @@ def slices(name: str, *, max_elements: int | None = None, session: Session | Non
         meta = dict(meta, data=data)
         meta["shape"], meta["full_shape"] = tuple(meta["shape"]), tuple(meta["full_shape"])
         meta["ranges"] = [tuple(r) for r in meta["ranges"]]
+        meta["unit"] = tuple(meta["unit"]) if meta.get("unit") else None
         out.append(TensorSlice(**meta))
     return out
 

@@ -690,6 +690,20 @@ def _refuse_resharding(nodes: list[_Node], by_path: dict[str, _Node], result: Sh
         "the same seed on every rank) to shard it another way")
 
 
+def head_size(model: nn.Module, param_path: str) -> int | None:
+    """The rows (or, for an output projection, columns) of one attention head along
+    ``param_path``'s sharded axis, when the parameter belongs to an attention block's
+    projection; ``None`` otherwise."""
+    owner = param_path.rsplit(".", 1)[0]
+    nodes = _walk(model)
+    blocks = transformer.find_blocks([(n.path, n.module) for n in nodes],
+                                     sharded=_tensor_parallel)
+    for block in blocks:
+        if block.kind == transformer.BlockKind.ATTENTION and owner in block.modes:
+            return block.head_dim or None
+    return None
+
+
 def _tensor_parallel(module: nn.Module) -> bool:
     return _current_mode(module) is not None
 

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from ..results import ShardMode, TensorSlice, summarize
 from .dtypes import dtype_name
-from .sharding import ParamSpec, param_specs
+from .sharding import ParamSpec, head_size, param_specs
 
 __all__ = ["local_slice", "model_shards", "needs_host_copy"]
 
@@ -67,7 +67,12 @@ def local_slice(
             f"; parameters: {', '.join(list(params)[:20])}" + (" …" if len(params) > 20 else ""))
         raise KeyError(f"{name!r} is not a parameter of {type(obj).__name__}{hint}")
     spec = param_specs(obj, group_size=group.size(), rank=group.rank())[name]
-    return _describe(spec, params[name], group.rank(), max_elements, with_data=True)
+    out = _describe(spec, params[name], group.rank(), max_elements, with_data=True)
+    if spec.axis is not None and spec.kind == "sharded":
+        size = head_size(obj, name)
+        if size and spec.full_shape[spec.axis] % size == 0:
+            out.unit = (size, "head")
+    return out
 
 
 def model_shards(

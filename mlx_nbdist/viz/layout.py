@@ -53,6 +53,24 @@ class TensorLayout:
     blocks: list[Block]
 
     @property
+    def unit(self) -> tuple[int, str] | None:
+        """``(size, name)`` of the whole units the sharded axis is made of (heads)."""
+        return self.slices[0].unit if self.slices and self.axis is not None else None
+
+    def unit_lines(self, most: int = 64) -> tuple[str, list[int]]:
+        """Where units meet in the view: ``("rows" | "cols", positions)``; none for
+        tensors of more than two dimensions, an axis the view flattens, or more than
+        ``most`` units."""
+        unit = self.unit
+        if unit is None or self.axis is None or len(self.full_shape) > 2:
+            return "", []
+        size, n = unit[0], self.full_shape[self.axis] // unit[0]
+        if n < 2 or n > most:
+            return "", []
+        along = "cols" if self.axis == len(self.full_shape) - 1 else "rows"
+        return along, [k * size for k in range(1, n)]
+
+    @property
     def view(self) -> tuple[int, int]:
         """(rows, cols) of the 2-D view (:func:`view_shape`)."""
         return view_shape(self.full_shape)
@@ -351,8 +369,12 @@ def _notes(layout: TensorLayout, heat: Heat | None) -> tuple[list[str], list[str
         notes.append("summary only (values not pulled)")
     elif heat is not None and any(is_sampled(s) for s in layout.slices):
         notes.append(f"values sampled (stride {_sample_stride(layout)} on every axis)")
+    along, lines = layout.unit_lines()
+    if lines and layout.unit is not None:
+        size, name = layout.unit
+        notes.append(f"dashed lines: {name}s of {size} {'rows' if along == 'rows' else 'columns'}")
     if heat is not None and heat.factor != (1, 1):
-        notes.append(f"heatmap block-mean {heat.factor[0]}x{heat.factor[1]}")
+        notes.append(f"each heatmap cell: the mean of {heat.factor[0]}x{heat.factor[1]} values")
     gaps, overlaps = coverage(layout)
     if gaps:
         warnings.append(f"{gaps} indices of axis {layout.axis} held by no rank")

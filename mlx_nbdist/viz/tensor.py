@@ -310,9 +310,23 @@ def _draw_layout(ax: Axes, layout: TensorLayout, labels: Sequence[_Label | None]
         for rect in block.rects:
             style = {"facecolor": rank_color(block.rank), "edgecolor": "black", "linewidth": 0.8}
             _add_rect(ax, rect, f"block-r{block.rank}", **style)
+    _draw_units(ax, layout)
     for label in [*labels, *_repeat_labels(layout, _axes_pt(ax))]:
         if label is not None:
             _draw_label(ax, label)
+
+
+def _draw_units(ax: Axes, layout: TensorLayout) -> None:
+    """Dashed lines where the units of the sharded axis meet (an attention
+    projection's heads), so a block is seen to hold whole heads."""
+    along, positions = layout.unit_lines()
+    rows, cols = layout.view
+    for p in positions:
+        if along == "rows":
+            (line,) = ax.plot([0, cols], [p, p], color="0.25", linewidth=0.6, linestyle="--")
+        else:
+            (line,) = ax.plot([p, p], [0, rows], color="0.25", linewidth=0.6, linestyle="--")
+        line.set_gid("unit-line")
 
 
 def _draw_replicated(ax: Axes, layout: TensorLayout) -> None:
@@ -378,6 +392,7 @@ def _draw_values(ax: Axes, cax: Axes | None, layout: TensorLayout, heat: Heat) -
     )
     image.set_gid("values")
     _setup_axes(ax, layout)
+    _draw_units(ax, layout)
     _draw_outlines(ax, layout)
     fig = _root_figure(ax)
     if cax is not None:
