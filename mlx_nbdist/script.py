@@ -333,7 +333,8 @@ def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) 
     cell = re.compile(r"Cell In\[\d+\], line (\d+)")
     tail = re.compile(rf"^\s*{tail_line}\s+pass\s*$")
     for g in e.groups:
-        print(g.headline(), file=err)
+        print(re.sub(r"\(line (\d+) of the cell\)", lambda m: f"({path}, line {m[1]})",
+                     g.headline()), file=err)
         for line in g.first.traceback:
             line = ansi.sub("", line.rstrip("\n"))
             line = "\n".join(

@@ -458,6 +458,15 @@ def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
     assert done.stderr.rstrip().endswith(f"{bad} failed on rank 1 of 2"), done.stderr
 
 
+def test_a_syntax_error_names_the_scripts_line(tmp_path: Path):
+    script = tmp_path / "syn.py"
+    script.write_text("x = 1\ny = (\n")
+    done = launch(script, 2)
+    assert done.returncode == 1
+    assert f"SyntaxError: '(' was never closed ({script}, line 2)" in done.stderr, done.stderr
+    assert "of the cell" not in done.stderr
+
+
 def test_run_gives_the_script_its_file_arguments_and_exit_status(tmp_path: Path):
     """As under mlx.launch: ``__file__``, ``sys.argv`` and ``sys.exit``'s status."""
     script = tmp_path / "args.py"
