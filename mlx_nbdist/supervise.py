@@ -116,6 +116,9 @@ class Supervisor:
         self._drained = False
         self._alive_at = time.monotonic()  # the session checked them before dispatch
         self._recv_wait: tuple[Any, float] | None = None  # (what, since) for deadlocks
+        #: (what differs, the running ranks' collective counts, since) while the
+        #: ranks' collectives differ (see :meth:`_check_mismatch`)
+        self._mismatch: tuple[str, tuple[int, ...], float] | None = None
         self._output_at = -FLUSH_WINDOW  # when ``wake`` last woke the loop (output)
         #: where stuck ranks were when first found stuck (see :meth:`_take_stacks`)
         self._stacks: dict[int, RankStack] = {}
@@ -236,9 +239,11 @@ class Supervisor:
 
     def _check_mismatch(self) -> None:
         """Two ranks' n-th collectives over the whole group in this cell differ (op,
-        shape or dtype): the values are wrong whatever happens next, and a rank may wait
-        for data that never comes. The running ranks are ended (the group's streams are
-        out of step: a restart is needed)."""
+        shape or dtype): the values are wrong whatever happens next (the cell fails
+        when it ends: its ledgers differ), and a rank may wait for data that never
+        comes. Ranks that still move (issue collectives) are left to finish; once none
+        has moved for ``failure_grace``, the running ones are ended (the group's
+        streams are out of step: a restart is needed)."""
         running = self._running()
         if not running:
             return
@@ -253,6 +258,13 @@ class Supervisor:
         }
         found = mismatch.first_mismatch(by_rank)
         if found is None:
+            return
+        counts = tuple(self._cell_count(r) for r in running)
+        now = time.monotonic()
+        if self._mismatch is None or self._mismatch[1] != counts:
+            self._mismatch = (found, counts, now)
+            return
+        if now - self._mismatch[2] < self.policy.failure_grace:
             return
         self.out.valid = False
         self.out.broken = self.out.broken or f"{found}. {mismatch.CONSEQUENCE}"
@@ -340,6 +352,8 @@ class Supervisor:
     # -- failures while others run ------------------------------------------------
     def _handle_failure(self, pending: list[int]) -> bool:
         """React to ranks that failed while others still run; True when done."""
+        if self._mismatch is not None:
+            return False  # the ranks' collectives differ: _check_mismatch ends them
         finished = [r for r in self.futures if r not in pending]
         if not self._errored() and not finished:
             return False

@@ -19,9 +19,10 @@ FAST = dict(failure_grace=0.2, drain_timeout=0.5, interrupt_grace=0.2, deadlock_
             alive_every=0.02, poll=0.01, stragglers_after=0.0)
 
 
-def rec(seq: int, op: str, cell: int, index: int, peer: int | None = None) -> dict[str, Any]:
-    return dict(seq=seq, op=op, shape=[4], dtype="float32", peer=peer, nbytes=16,
-                cell=cell, index=index)
+def rec(seq: int, op: str, cell: int, index: int, peer: int | None = None,
+        shape: tuple[int, ...] = (4,), group_index: int = 0) -> dict[str, Any]:
+    return dict(seq=seq, op=op, shape=list(shape), dtype="float32", peer=peer, nbytes=16,
+                cell=cell, index=index, group_index=group_index)
 
 
 class FakeRanks:
@@ -46,11 +47,13 @@ class FakeRanks:
                                               text=f"step_{r}()")]) for r in range(n)}
         self.stacks_asked: list[list[int]] = []
 
-    def issue(self, rank: int, op: str, peer: int | None = None, cell: int | None = None) -> None:
+    def issue(self, rank: int, op: str, peer: int | None = None, cell: int | None = None,
+              shape: tuple[int, ...] = (4,), group_index: int = 0) -> None:
         r = self.records[rank]
         r["cell_collectives"] += 1
         seq = len(r["recent"]) + 100
-        r["recent"].append(rec(seq, op, cell or self.cell, r["cell_collectives"], peer))
+        r["recent"].append(rec(seq, op, cell or self.cell, r["cell_collectives"], peer, shape,
+                               group_index))
 
     def finish(self, rank: int, error: BaseException | None = None) -> None:
         if error is None:
@@ -336,3 +339,53 @@ def test_while_output_flows_the_loop_wakes_finely_for_held_back_updates() -> Non
     assert FLUSH_POLL < 0.02 < FLUSH_WINDOW
     for f in fake.futures.values():
         f.set_result(None)
+
+
+def test_a_rank_left_waiting_by_a_different_collective_is_ended_naming_both() -> None:
+    """Rank 0's first all_sum was of 4 floats and it finished; rank 1's is of 6 and it
+    does not move: ended once it has not moved for failure_grace, not at the deadline."""
+    fake = FakeRanks()
+    fake.issue(0, "all_sum", shape=(4,), group_index=1)
+    fake.issue(1, "all_sum", shape=(6,), group_index=1)
+    fake.finish(0)
+    out = supervise(fake, timeout=30.0)
+    assert out.failures[1].cause == KILLED and 0 not in out.failures
+    assert not out.valid and not out.timed_out
+    assert out.broken.startswith("collective 1 of this cell differs between the ranks "
+                                 "(rank 0: all_sum shape=(4,) dtype=float32; rank 1: all_sum "
+                                 "shape=(6,) dtype=float32)")
+    assert not fake.drain_plans  # nothing to replay: the collective itself differs
+
+
+def test_ranks_whose_collectives_differ_but_still_move_are_left_to_finish() -> None:
+    """The collectives differ (the cell will fail on its ledgers) but both ranks keep
+    issuing: they may pair up and return, so nobody is ended while they move."""
+    fake = FakeRanks()
+    fake.issue(0, "all_sum", shape=(4,), group_index=1)
+    fake.issue(1, "all_sum", shape=(6,), group_index=1)
+
+    def move() -> None:
+        for k in range(2, 12):
+            for r in (0, 1):
+                fake.issue(r, "all_sum", group_index=k)
+            threading.Event().wait(0.1)
+        fake.finish(0)
+        fake.finish(1)
+
+    mover = threading.Thread(target=move)
+    mover.start()
+    out = supervise(fake, timeout=30.0)
+    mover.join()
+    assert out.failures == {} and not out.broken
+    assert not any(sig == signal.SIGKILL for _, sig in fake.signals)
+
+
+def test_a_mismatch_is_named_even_when_a_rank_raised() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "all_gather", shape=(2, 3), group_index=1)
+    fake.issue(1, "all_sum", shape=(2, 3), group_index=1)
+    fake.finish(0, ValueError("rank zero fails after it"))
+    out = supervise(fake, timeout=30.0)
+    assert out.failures[1].cause == KILLED
+    assert "rank 0: all_gather shape=(2, 3)" in out.broken
+    assert "rank 1: all_sum shape=(2, 3)" in out.broken
