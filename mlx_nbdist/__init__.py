@@ -111,9 +111,14 @@ _WHERE = {
     "dashboard": "viz.dashboard",
 }
 _RENAMED = {"load_checkpoint": ("client.checkpoint", "load")}
+#: submodules a user reaches as ``mlx_nbdist.NAME`` without importing them first (on a
+#: rank: ``mlx_nbdist.script.load_checkpoint(model, directory)``)
+_SUBMODULES = ("script",)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return import_module(f".{name}", __name__)
     if name in _WHERE:
         module, attr = _WHERE[name], name
     elif name in _RENAMED:

@@ -15,15 +15,31 @@ from collections.abc import Mapping, Sequence
 #: what must agree across ranks: op, shape, dtype (and whether ``--check-collectives``
 #: issued it)
 Signature = tuple[str, tuple[int, ...], str, bool]
+#: where in a cell: ``("", n)`` for its n-th collective run over the whole group,
+#: ``(trace, n)`` for the n-th one traced in ``trace`` (``compile:step#1``)
+Position = tuple[str, int]
 
-#: how many of a cell's collectives over the whole group a rank's ledger lists
-LEDGER_HEAD = 16
+#: point-to-point ops: paired by message (sender, receiver, n-th), not by position
+P2P = ("send", "recv", "recv_like")
+#: one message as its sender or receiver recorded it: bytes, dtype, shape
+Message = tuple[int, str, tuple[int, ...]]
+
+#: how many of a cell's collectives over the whole group a rank's ledger lists (each
+#: an index into its table of distinct signatures: a few KB at most)
+LEDGER_HEAD = 1024
 
 CONSEQUENCE = (
     "MLX pairs them without checking: their values are wrong, and a rank can wait "
     "forever for data that never comes. Every rank must issue the same collectives, "
     "with the same shapes and dtypes, in the same order (--check-collectives compares "
     "each one before it runs)."
+)
+
+
+MESSAGE_CONSEQUENCE = (
+    "MLX sends bytes without checking what the receiver expects: it reads wrong data, "
+    "or waits forever for bytes that never come. A recv must expect the shape and dtype "
+    "its send sent."
 )
 
 
@@ -36,10 +52,10 @@ def describe(sig: Signature) -> str:
     return f"{op} shape={shape} dtype={dtype}"
 
 
-def first_mismatch(by_rank: Mapping[int, Mapping[int, Signature]]) -> str | None:
+def first_mismatch(by_rank: Mapping[int, Mapping[Position, Signature]]) -> str | None:
     """``by_rank``: per rank, its collectives over the whole group by position in the
-    cell (1-based). The first position at which two ranks' differ, described; None
-    when every position known on two or more ranks agrees."""
+    cell. The first position at which two ranks' differ, described; None when every
+    position known on two or more ranks agrees."""
     positions = sorted({k for sigs in by_rank.values() for k in sigs})
     for k in positions:
         ranks_of: dict[Signature, list[int]] = {}
@@ -48,7 +64,26 @@ def first_mismatch(by_rank: Mapping[int, Mapping[int, Signature]]) -> str | None
                 ranks_of.setdefault(by_rank[r][k], []).append(r)
         if len(ranks_of) > 1:
             parts = "; ".join(f"{_ranks(rs)}: {describe(sig)}" for sig, rs in ranks_of.items())
-            return f"collective {k} of this cell differs between the ranks ({parts})"
+            trace, n = k
+            where = f"collective {n} of this cell"
+            if trace:
+                transform, _, fn = trace.partition(":")
+                where = f"collective {n} of mx.{transform}'s trace of {fn.rsplit('#', 1)[0]}"
+            return f"{where} differs between the ranks ({parts})"
+    return None
+
+
+def first_message_mismatch(sent: Mapping[tuple[int, int, int], Message],
+                           received: Mapping[tuple[int, int, int], Message]) -> str | None:
+    """``sent`` / ``received``: by ``(sender, receiver, n)``, the n-th message between
+    them as the sender sent it and as the receiver waits for it. The first whose sizes
+    differ, described; None when every message known on both sides agrees."""
+    for key in sorted(set(sent) & set(received)):
+        (nb_s, dt_s, sh_s), (nb_r, dt_r, sh_r) = sent[key], received[key]
+        if nb_s != nb_r:
+            src, dst, n = key
+            return (f"message {n} from rank {src} to rank {dst} differs: {nb_s} bytes sent "
+                    f"({dt_s} {sh_s}) but {nb_r} expected ({dt_r} {sh_r})")
     return None
 
 

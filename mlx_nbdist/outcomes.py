@@ -87,16 +87,17 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
     out = LedgerCheck()
     digests = {r: (ledgers.get(r) or {}).get("digest", _NONE) for r in ran}
     if len(set(digests.values())) > 1:
-        heads = {
-            r: {i + 1: mismatch.signature(*sig) for i, sig in enumerate(led.get("head", []))}
-            for r, led in ledgers.items()
-            if r in digests
-        }
+        heads = {r: _positions(led) for r, led in ledgers.items() if r in digests}
         counts = ", ".join(f"rank {r}: {_collectives(ledgers.get(r))}" for r in sorted(digests))
         found = mismatch.first_mismatch(heads) or (
             f"the ranks issued different collectives in this cell ({counts})"
         )
         out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
+    else:  # collectives traced by mx.compile are not in the digest: by trace
+        traced = {r: _positions(led, traced=True) for r, led in ledgers.items() if r in ran}
+        found = mismatch.first_mismatch(traced)
+        if found:
+            out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():
@@ -112,6 +113,16 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
 
 
 _NONE = "none"
+
+
+def _positions(ledger: dict[str, Any], traced: bool = False
+               ) -> dict[mismatch.Position, mismatch.Signature]:
+    """A ledger's listed collectives by position: those run, or those traced."""
+    table = [mismatch.signature(*sig) for sig in ledger.get("sigs", [])]
+    if not traced:
+        return {("", i + 1): table[k] for i, k in enumerate(ledger.get("head", []))}
+    return {(trace, i + 1): table[k]
+            for trace, ids in ledger.get("traced", {}).items() for i, k in enumerate(ids)}
 
 
 def _collectives(ledger: dict[str, Any] | None) -> str:

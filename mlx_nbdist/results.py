@@ -51,7 +51,10 @@ class CollectiveRecord:
         check: issued by ``--check-collectives`` to compare signatures (not user code).
         group_index: 1-based position among the collectives over the whole group
             that this rank issued in that cell (0: point-to-point, or a subgroup's);
-            the same position must hold the same collective on every rank.
+            the same position must hold the same collective on every rank. For one
+            traced by ``mx.compile`` / ``mx.vmap``: its position in that trace; for
+            ``send``/``recv``: the n-th message to/from ``peer`` in that cell.
+        trace: the trace it was recorded in (``compile:step#1``), ``""`` when run.
     """
 
     seq: int
@@ -64,6 +67,7 @@ class CollectiveRecord:
     index: int = 0
     check: bool = False
     group_index: int = 0
+    trace: str = ""
 
     def describe(self) -> str:
         peer = f" peer={self.peer}" if self.peer is not None else ""

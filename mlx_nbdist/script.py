@@ -307,8 +307,8 @@ def _prepare_rank(cwd: str, file: str, argv: list[str]) -> None:
     os.chdir(cwd)
     sys.argv = [file, *argv]
     shell = get_ipython()
-    if shell is not None:
-        shell.user_ns["__file__"] = file
+    if shell is not None:  # absolute, as Python sets a script's __file__ (argv[0] as given)
+        shell.user_ns["__file__"] = os.path.abspath(file)
     warnings.filterwarnings("ignore", message="To exit: use 'exit', 'quit', or Ctrl-D")
 
 
@@ -320,14 +320,21 @@ def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) 
 
     from .results import DIED, ERROR, PAUSED
 
-    exits = [f for f in e.failures if f.ename == "SystemExit"]
-    if exits and len(exits) == len(e.failures):
-        codes = [_exit_status(f.evalue) for f in exits]
-        status = max(codes, key=abs)
+    # the ranks that failed, not those released or ended because a peer did
+    failed = [f for f in e.failures if f.cause in (ERROR, DIED, PAUSED)] or e.failures
+    exits = [f for f in failed if f.ename == "SystemExit"]
+    if exits and len(exits) == len(failed):  # sys.exit, as Python ends a script on it
+        for f in exits:
+            if _exit_status(f.evalue) == 1 and f.evalue.strip() not in ("1", "True"):
+                print(f"[rank {f.rank}] {f.evalue}", file=err)  # sys.exit("message")
+        status = max((_exit_status(f.evalue) for f in exits), key=abs)
+        if len(failed) < len(e.failures) and e.summary:
+            print(e.summary, file=err)  # peers released from a collective
         if status:
             ranks = ", ".join(str(f.rank) for f in exits if _exit_status(f.evalue))
             print(f"mlx_nbdist run: {path} exited with status {status} (sys.exit on rank "
                   f"{ranks})", file=err)
+        err.flush()
         return status
     ansi = re.compile(r"\x1b\[[0-9;]*m")
     cell = re.compile(r"Cell In\[\d+\], line (\d+)")
@@ -345,9 +352,7 @@ def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) 
             print(line, file=err)
     if e.summary:
         print(e.summary, file=err)
-    # the ranks that failed, not those released or ended because a peer did
-    ranks = sorted(f.rank for f in e.failures if f.cause in (ERROR, DIED, PAUSED))
-    ranks = ranks or sorted(f.rank for f in e.failures)
+    ranks = sorted(f.rank for f in failed)
     which = ", ".join(map(str, ranks))
     print(f"mlx_nbdist run: {path} failed on rank{'s' if len(ranks) > 1 else ''} {which} "
           f"of {n}", file=err)

@@ -247,16 +247,29 @@ class Supervisor:
         running = self._running()
         if not running:
             return
+        records = {r: self._cell_records(r) for r in self.futures if r not in self.out.failures}
         by_rank = {
             r: {
-                rec.group_index: mismatch.signature(rec.op, rec.shape, rec.dtype, rec.check)
-                for rec in self._cell_records(r)
-                if rec.group_index
+                (rec.trace, rec.group_index): mismatch.signature(
+                    rec.op, rec.shape, rec.dtype, rec.check)
+                for rec in recs
+                if rec.group_index and rec.op not in mismatch.P2P
             }
-            for r in self.futures
-            if r not in self.out.failures
+            for r, recs in records.items()
         }
+        sent, received = {}, {}
+        for r, recs in records.items():
+            for rec in recs:
+                if rec.op in mismatch.P2P and rec.group_index and rec.peer is not None:
+                    key = (r, rec.peer, rec.group_index) if rec.op == "send" else (
+                        rec.peer, r, rec.group_index)
+                    box = sent if rec.op == "send" else received
+                    box[key] = (rec.nbytes, rec.dtype, tuple(rec.shape))
         found = mismatch.first_mismatch(by_rank)
+        consequence = mismatch.CONSEQUENCE
+        if found is None:
+            found = mismatch.first_message_mismatch(sent, received)
+            consequence = mismatch.MESSAGE_CONSEQUENCE
         if found is None:
             return
         counts = tuple(self._cell_count(r) for r in running)
@@ -267,7 +280,7 @@ class Supervisor:
         if now - self._mismatch[2] < self.policy.failure_grace:
             return
         self.out.valid = False
-        self.out.broken = self.out.broken or f"{found}. {mismatch.CONSEQUENCE}"
+        self.out.broken = self.out.broken or f"{found}. {consequence}"
         self._end(running, "the ranks issued different collectives")
 
     def _check_dead(self) -> None:

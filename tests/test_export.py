@@ -458,6 +458,25 @@ def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
     assert done.stderr.rstrip().endswith(f"{bad} failed on rank 1 of 2"), done.stderr
 
 
+@pytest.mark.parametrize("arg, status, says", [
+    ("6", 6, "exited with status 6 (sys.exit on rank 1)"),
+    ("'bad config: lr must be positive'", 1, "[rank 1] bad config: lr must be positive"),
+])
+def test_sys_exit_while_a_peer_waits_gives_its_status(tmp_path: Path, arg: str, status: int,
+                                                       says: str):
+    """Rank 1 leaves with sys.exit while rank 0 waits in an all_sum (released): the
+    script's status is the exit's, and a message is printed, as Python does."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys\nimport mlx.core as mx\nworld = mx.distributed.init()\n"
+        f"if world.rank() == 1:\n    sys.exit({arg})\n"
+        "mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))\n")
+    done = launch(script, 2)
+    assert done.returncode == status, (done.stdout, done.stderr)
+    assert says in done.stderr, done.stderr
+    assert "SystemExit" not in done.stderr and "%tb" not in done.stderr, done.stderr
+
+
 def test_a_syntax_error_names_the_scripts_line(tmp_path: Path):
     script = tmp_path / "syn.py"
     script.write_text("x = 1\ny = (\n")

@@ -356,6 +356,22 @@ def test_mismatched_shapes_that_both_return_are_named_after_the_cell(session2: S
     assert_works(session2)
 
 
+def test_a_mismatch_deep_in_a_loop_is_named_at_its_place(session2: Session) -> None:
+    """The 17th of 20 all_sums differs (4 floats against 2 x 2): both return, and the
+    error names that collective, not only the counts."""
+    code = (
+        "for i in range(20):\n"
+        "    x = mx.ones((2, 2)) if (rank == 1 and i == 16) else mx.ones(4)\n"
+        "    mx.eval(mx.distributed.all_sum(x, group=world))"
+    )
+    with pytest.raises(CellError) as info:
+        session2.run(code, timeout=60)
+    text = str(info.value)
+    assert "collective 17 of this cell differs between the ranks" in text, text
+    assert "rank 1: all_sum shape=(2, 2)" in text
+    assert session2.state == "ready"
+
+
 def test_kernel_death_leaves_nothing_running(tmp_path) -> None:
     """A client process killed with SIGKILL: its engines and controller go too."""
     import subprocess

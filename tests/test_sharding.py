@@ -644,7 +644,7 @@ def test_gradsync_data_parallel(s2, ref):
 
 def test_gradsync_tensor_parallel_and_a_desynced_replica(s2, ref, tmp_path):
     s2.run('gtp = mlx_nbdist.shard(build(), "megatron")')
-    g = mlx_nbdist.gradsync("gtp", "loss_fn(gtp, x, y)", session=s2)
+    g = mlx_nbdist.gradsync("gtp", "loss_fn(gtp, x, y)  # a comment ends the step", session=s2)
     assert g.desynced() == []
     full = ref["grads_np"](ref["build"](), ref["x"], ref["y"])
     for s in g.samples:  # the local shard gradients are the full gradient's blocks

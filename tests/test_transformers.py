@@ -85,6 +85,10 @@ def test_megatron_from_the_notebook_shows_heads_and_no_false_warnings(s2, lm):
     lines = [a for ax in fig.axes for a in ax.get_children() if a.get_gid() == "unit-line"]
     assert len(lines) == 2 * 3, len(lines)  # 3 boundaries in each of the two panels
     assert "dashed lines: heads of 32 rows" in fig.get_suptitle()
+    from mlx_nbdist.client.models import show_text
+
+    text = show_text("nb_lm.model.layers.0.self_attn.q_proj.weight", session=s2)
+    assert "4 heads of 32 rows" in text and "dashed" not in text
     o_proj = mlx_nbdist.slices("nb_lm.model.layers.0.self_attn.o_proj.weight", session=s2)
     assert {sl.unit for sl in o_proj} == {(32, "head")} and {sl.axis for sl in o_proj} == {1}
     mlp = mlx_nbdist.slices("nb_lm.model.layers.0.mlp.up_proj.weight", session=s2)

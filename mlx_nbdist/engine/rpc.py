@@ -263,7 +263,8 @@ def grad_samples(name: str, step: str, mode: str) -> dict[str, Any]:
     if rest:
         raise ValueError(f"gradsync takes a model name, not a path: {name!r}")
     model = _model_of(name, "gradsync")
-    loss_fn = eval(f"lambda {name}: ({step})", ns)  # noqa: S307 - the user's own expression
+    # on its own line: a trailing "# comment" in the step must not swallow the ")"
+    loss_fn = eval(f"lambda {name}: (\n{step}\n)", ns)  # noqa: S307 - the user's own expression
     st = state.current()
     recorder = Recorder(st.rank, st.size, st.tracker.backend)
     recorder.cell = st.tracker.cell

@@ -661,16 +661,17 @@ def plan(
             f"unknown sharding {sharding!r}; use one of {', '.join(STRATEGIES)} "
             "or a mapping {layer path or glob: mode}")
     result.layer_modes = {p: m for p, m in modes.items() if RULES[m].convert is not None}
-    _refuse_resharding(nodes, by_path, result,
-                       strategy=None if isinstance(sharding, Mapping) else sharding)
-    _plan_heads(blocks, result)
+    again = _refuse_resharding(nodes, by_path, result,
+                               strategy=None if isinstance(sharding, Mapping) else sharding)
+    if not again:  # (a sharded block's head counts are its rank's share already)
+        _plan_heads(blocks, result)
     _plan_layers(nodes, by_path, modes, result)
     _flag_flow(nodes, by_path, modes, result, blocks)
     return result
 
 
 def _refuse_resharding(nodes: list[_Node], by_path: dict[str, _Node], result: ShardPlan,
-                       *, strategy: str | None) -> None:
+                       *, strategy: str | None) -> bool:
     """A layer is sharded once: converting a layer MLX already sharded fails deep in
     MLX (or slices its slice again). A one-mode strategy applies to a model none of
     whose layers is sharded yet (on a sharded one it would convert what is left, e.g.
@@ -682,12 +683,13 @@ def _refuse_resharding(nodes: list[_Node], by_path: dict[str, _Node], result: Sh
     if not again and strategy is not None and (strategy != MEGATRON or not result.layer_modes):
         again = {n.path: m for n in nodes if (m := _current_mode(n.module)) is not None}
     if not again:
-        return
+        return False
     listed = ", ".join(f"{p or '(root)'} ({m})" for p, m in list(again.items())[:4])
     more = f" and {len(again) - 4} more" if len(again) > 4 else ""
     result.problems.append(
         f"already sharded: {listed}{more}. A model is sharded once: build it again (with "
         "the same seed on every rank) to shard it another way")
+    return True
 
 
 def head_size(model: nn.Module, param_path: str) -> int | None:

@@ -22,31 +22,43 @@ evaluates it where it is issued so that it can be timed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from ..mismatch import LEDGER_HEAD
+from ..mismatch import LEDGER_HEAD, P2P
 from ..results import CollectiveRecord
 from . import dtypes
 
 if TYPE_CHECKING:
     from .profile import Recorder
 
+#: transforms whose functions trace, not run, the collectives in them
+TRANSFORMS = ("compile", "vmap")
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
-P2P = ("send", "recv", "recv_like")
 _OP_CODES = {op: i + 1 for i, op in enumerate(OPS)}
 #: how many issued-but-unevaluated collective outputs a rank holds before it drops
 #: those already evaluated (see :meth:`Tracker.settle`)
 COMPACT_AT = 64
 #: ... or once the held outputs reach this many bytes (large gradient buckets)
 COMPACT_BYTES = 64 << 20
+
+
+@dataclass
+class _Trace:
+    """One call of a transformed function on this thread (see Tracker.tracing)."""
+
+    name: str
+    key: str = ""  # set at its first collective: it traced
+    count: int = 0
 
 
 class CollectiveError(RuntimeError):
@@ -84,6 +96,8 @@ class Tracker:
         self._orig: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._replaying = False
+        #: per thread: how deep in functions mx.compile / mx.vmap transform (tracing())
+        self._transforms = threading.local()
         self._begin_ledger()
         #: records being evaluated by :meth:`settle` right now (published)
         self.settling: list[CollectiveRecord] = []
@@ -95,19 +109,33 @@ class Tracker:
         self.cell_count = 0
         self._digest = hashlib.blake2b(digest_size=8)
         self._collectives = 0  # group collectives (not point-to-point) in the digest
-        #: the first of them, ``[op, shape, dtype, check]``: what differs, when digests do
-        self._head: list[list[Any]] = []
+        #: the first of them, as indices into ``_sigs`` (``[op, shape, dtype, check]``,
+        #: each once): what differs, when digests do
+        self._head: list[int] = []
+        self._sigs: list[list[Any]] = []
+        self._sig_ids: dict[tuple[Any, ...], int] = {}
+        #: the same for collectives traced in mx.compile / mx.vmap, by trace
+        #: (``compile:step#1``: the first trace of ``step`` in this cell)
+        self._traced: dict[str, list[int]] = {}
+        self._traces: dict[str, int] = {}
         #: per peer, one ``[nbytes, dtype, shape, k]`` per message, in order; ``k`` is
         #: how many group collectives this rank issued before it (ring shares streams)
         self._sent: dict[int, list[list[Any]]] = {}
         self._recvd: dict[int, list[list[Any]]] = {}
         self._held: list[tuple[CollectiveRecord, Any]] = []
+        #: the output of the last collective over the whole group issued in this cell;
+        #: the next one's input depends on it (``mx.depends``), so a rank runs its
+        #: collectives in the order it issued them, whatever order its arrays are
+        #: evaluated in (one rank printing ``loss.item()`` mid-step would otherwise run
+        #: that all_sum before the gradients' and pair it with its peer's gradient)
+        self._chain: Any = None
         self._held_bytes = 0
         self._compact_at = COMPACT_AT
 
     # -- installation -------------------------------------------------------------
     def install(self) -> None:
-        """Wrap the functions of ``mx.distributed`` (idempotent)."""
+        """Wrap the functions of ``mx.distributed``, and ``mx.compile`` and ``mx.vmap``
+        so that a collective knows when it is traced (idempotent)."""
         if self._orig:
             return
         for op in OPS:
@@ -116,6 +144,40 @@ class Tracker:
                 continue
             self._orig[op] = fn
             setattr(mx.distributed, op, self._wrap(op, fn))
+        for name in TRANSFORMS:
+            setattr(mx, name, self._wrap_transform(getattr(mx, name)))
+
+    def tracing(self) -> bool:
+        """Whether this thread is inside a function that ``mx.compile`` or ``mx.vmap``
+        transforms (its collectives are traced there, not run)."""
+        return bool(getattr(self._transforms, "calls", None))
+
+    def _wrap_transform(self, transform: Any) -> Any:
+        """``transform`` (``mx.compile``, ``mx.vmap``) whose functions, when called,
+        count as tracing for :meth:`tracing` (a call that hits the compiled cache
+        runs no Python, so no collective of ours sees it)."""
+        local = self._transforms
+        label = f"{getattr(transform, '__name__', 'transform')}:"
+
+        def wrapped(fun: Any, *args: Any, **kwargs: Any) -> Any:
+            inner = transform(fun, *args, **kwargs)
+            name = label + str(getattr(fun, "__qualname__", None) or type(fun).__name__)
+
+            @functools.wraps(fun)
+            def call(*a: Any, **k: Any) -> Any:
+                calls = local.__dict__.setdefault("calls", [])
+                calls.append(_Trace(name))
+                try:
+                    return inner(*a, **k)
+                finally:
+                    calls.pop()
+
+            return call
+
+        wrapped.__name__ = getattr(transform, "__name__", "transform")
+        wrapped.__doc__ = transform.__doc__
+        wrapped.__wrapped__ = transform  # type: ignore[attr-defined]
+        return wrapped
 
     def original(self, op: str) -> Any:
         return self._orig.get(op) or getattr(mx.distributed, op)
@@ -161,7 +223,9 @@ class Tracker:
                 "n": self.cell_count,
                 # "none" when it issued no group collective (an idle rank has no ledger)
                 "digest": self._digest.hexdigest() if self._collectives else "none",
+                "sigs": list(self._sigs),
                 "head": list(self._head),
+                "traced": {k: list(v) for k, v in self._traced.items()},
                 "sent": {str(p): list(v) for p, v in self._sent.items()},
                 "recvd": {str(p): list(v) for p, v in self._recvd.items()},
             }
@@ -207,6 +271,7 @@ class Tracker:
         *,
         world: bool,
         check: bool = False,
+        traced: bool = False,
     ) -> CollectiveRecord:
         with self._lock:
             self.seq += 1
@@ -215,26 +280,45 @@ class Tracker:
             if check or getattr(self._internal, "depth", 0):
                 self.internal_count += 1
                 self.internal_bytes += nbytes
-            group_index = 0
-            if world and op not in P2P:
+            group_index, trace = 0, ""
+            if world and op not in P2P and traced:
+                # traced in mx.compile: a rank whose call hit the compiled cache traces
+                # nothing, so traces are compared only with the same trace on another rank
+                call = self._transforms.calls[-1]
+                if not call.key:
+                    n = self._traces[call.name] = self._traces.get(call.name, 0) + 1
+                    call.key = f"{call.name}#{n}"
+                call.count += 1
+                group_index, trace = call.count, call.key
+                traces = self._traced.setdefault(trace, [])
+                if len(traces) < LEDGER_HEAD:
+                    traces.append(self._sig_id(op, shape, dtype, check))
+            elif world and op not in P2P:
                 self._collectives += 1
                 group_index = self._collectives
-                sig = _signature_bytes(op, shape, dtype, check)
-                self._digest.update(sig)
+                self._digest.update(_signature_bytes(op, shape, dtype, check))
                 if len(self._head) < LEDGER_HEAD:
-                    self._head.append([op, list(shape), dtype, check])
-            rec = CollectiveRecord(
-                self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check,
-                group_index,
-            )
-            self.recent.append(rec)
+                    self._head.append(self._sig_id(op, shape, dtype, check))
             if world and op in P2P and peer is not None:
                 msg = [nbytes, dtype, list(shape), self._collectives]
-                if op == "send":
-                    self._sent.setdefault(int(peer), []).append(msg)
-                else:
-                    self._recvd.setdefault(int(peer), []).append(msg)
+                box = self._sent if op == "send" else self._recvd
+                box.setdefault(int(peer), []).append(msg)
+                group_index = len(box[int(peer)])  # the n-th message to/from that peer
+            rec = CollectiveRecord(
+                self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check,
+                group_index, trace,
+            )
+            self.recent.append(rec)
         return rec
+
+    def _sig_id(self, op: str, shape: tuple[int, ...], dtype: str, check: bool) -> int:
+        """The index of this signature in the cell's ledger table (added once)."""
+        key = (op, shape, dtype, check)
+        sid = self._sig_ids.get(key)
+        if sid is None:
+            sid = self._sig_ids[key] = len(self._sigs)
+            self._sigs.append([op, list(shape), dtype, check])
+        return sid
 
     def _hold(self, rec: CollectiveRecord, out: Any) -> None:
         if not isinstance(out, mx.array):
@@ -275,13 +359,26 @@ class Tracker:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
             world = group.size() == tracker.size
-            rec = tracker._record(op, shape, dtype, peer, nbytes, world=world)
+            traced = tracker.tracing()
+            chained = world and op not in P2P and not traced and not tracker._replaying
+            if chained and tracker._chain is not None and isinstance(x, mx.array):
+                # run after the previous collective, whatever order the arrays are
+                # evaluated in on this rank (see Tracker.chain)
+                x = mx.depends(x, tracker._chain)
+                if args:
+                    args = (x, *args[1:])
+                else:
+                    kwargs["x"] = x
+            rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             recorder = tracker.recorder
             if recorder is None:
                 out = fn(*args, **kwargs)
             else:  # a profiled cell: evaluate the inputs, then this collective, timed
                 out = recorder.timed(rec, fn, args, kwargs, world)
-            tracker._hold(rec, out)
+            if chained and isinstance(out, mx.array):
+                tracker._chain = out
+            if not traced:  # a tracer never runs as such (settle could not evaluate it)
+                tracker._hold(rec, out)
             return out
 
         wrapper.__name__ = op

@@ -341,9 +341,10 @@ def slice_stats(s: TensorSlice) -> dict[str, float]:
 
 
 def title_lines(
-    layout: TensorLayout, heat: Heat | None, title: str | None
+    layout: TensorLayout, heat: Heat | None, title: str | None, *, drawn: bool = True
 ) -> tuple[list[str], bool]:
-    """Heading lines for a tensor figure and whether something is wrong."""
+    """Heading lines for a tensor figure (``drawn``) or its text, and whether
+    something is wrong."""
     lines = [title or f"{layout.name}  {layout.full_shape} {layout.dtype}"]
     if layout.replicated:
         lines.append(f"whole on rank {layout.ranks[0]} only" if len(layout.ranks) == 1 else
@@ -353,14 +354,15 @@ def title_lines(
         if layout.segments > 1:
             mode += f", {layout.segments} segments per rank"
         lines.append(mode)
-    notes, warnings = _notes(layout, heat)
+    notes, warnings = _notes(layout, heat, drawn)
     if notes:
         lines.append("; ".join(notes))
     lines += warnings
     return lines, bool(warnings)
 
 
-def _notes(layout: TensorLayout, heat: Heat | None) -> tuple[list[str], list[str]]:
+def _notes(layout: TensorLayout, heat: Heat | None, drawn: bool = True
+           ) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     warnings: list[str] = []
     if len(layout.full_shape) > 2:
@@ -372,7 +374,8 @@ def _notes(layout: TensorLayout, heat: Heat | None) -> tuple[list[str], list[str
     along, lines = layout.unit_lines()
     if lines and layout.unit is not None:
         size, name = layout.unit
-        notes.append(f"dashed lines: {name}s of {size} {'rows' if along == 'rows' else 'columns'}")
+        what = f"{name}s of {size} {'rows' if along == 'rows' else 'columns'}"
+        notes.append(f"dashed lines: {what}" if drawn else f"{len(lines) + 1} {what}")
     if heat is not None and heat.factor != (1, 1):
         notes.append(f"each heatmap cell: the mean of {heat.factor[0]}x{heat.factor[1]} values")
     gaps, overlaps = coverage(layout)

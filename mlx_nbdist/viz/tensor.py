@@ -705,7 +705,7 @@ def format_tensor(slices: list[TensorSlice]) -> str:
         ranges, local shape, dtype, bytes, norm, min and max.
     """
     layout = tensor_layout(slices)
-    lines, _ = title_lines(layout, None, None)
+    lines, _ = title_lines(layout, None, None, drawn=False)
     grid = _char_grid(layout)
     if layout.replicated:
         grid.append(f"* = every rank ({rank_span(layout.ranks)}) holds the whole tensor")
