@@ -123,12 +123,6 @@ class Tracker:
         self._sent: dict[int, list[list[Any]]] = {}
         self._recvd: dict[int, list[list[Any]]] = {}
         self._held: list[tuple[CollectiveRecord, Any]] = []
-        #: the output of the last collective over the whole group issued in this cell;
-        #: the next one's input depends on it (``mx.depends``), so a rank runs its
-        #: collectives in the order it issued them, whatever order its arrays are
-        #: evaluated in (one rank printing ``loss.item()`` mid-step would otherwise run
-        #: that all_sum before the gradients' and pair it with its peer's gradient)
-        self._chain: Any = None
         self._held_bytes = 0
         self._compact_at = COMPACT_AT
 
@@ -360,23 +354,12 @@ class Tracker:
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
             world = group.size() == tracker.size
             traced = tracker.tracing()
-            chained = world and op not in P2P and not traced and not tracker._replaying
-            if chained and tracker._chain is not None and isinstance(x, mx.array):
-                # run after the previous collective, whatever order the arrays are
-                # evaluated in on this rank (see Tracker.chain)
-                x = mx.depends(x, tracker._chain)
-                if args:
-                    args = (x, *args[1:])
-                else:
-                    kwargs["x"] = x
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             recorder = tracker.recorder
             if recorder is None:
                 out = fn(*args, **kwargs)
             else:  # a profiled cell: evaluate the inputs, then this collective, timed
                 out = recorder.timed(rec, fn, args, kwargs, world)
-            if chained and isinstance(out, mx.array):
-                tracker._chain = out
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
                 tracker._hold(rec, out)
             return out
