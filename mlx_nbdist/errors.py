@@ -34,6 +34,12 @@ class StartError(MLXDistError):
     """The engines or the MLX group could not be started."""
 
 
+class PortTakenError(StartError):
+    """The group did not form because another process took a port a rank had picked
+    (ports are picked free, then bound by MLX: another session starting at the same
+    moment can take one in between). A new start picks new ports."""
+
+
 class NotStartedError(MLXDistError):
     """A cell or command needs a running session and there is none."""
 

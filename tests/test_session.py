@@ -120,6 +120,34 @@ def test_stop_leaves_no_process_and_no_port() -> None:
     assert not s.directory.exists()  # a clean stop leaves no session folder
 
 
+def test_a_port_taken_while_the_group_forms_starts_again(monkeypatch) -> None:
+    """Ports are picked free and bound by MLX later; another session forming at that
+    moment can take one (seen: "[ring] Couldn't bind socket (error: 98)"). The start
+    ends those engines and starts again with new ports, once."""
+    from mlx_nbdist.errors import PortTakenError
+    from mlx_nbdist.session import formation
+
+    real, first = formation.form_group, []
+
+    def taken_once(cluster, *a, **k):
+        if not first:
+            first.append([pid for pid, _ in cluster.processes([])])
+            raise PortTakenError("the ring group did not form:\n  rank 1 (engine 1 on vm): "
+                                 "RuntimeError: [ring] Couldn't bind socket (error: 98)")
+        return real(cluster, *a, **k)
+
+    monkeypatch.setattr(formation, "form_group", taken_once)
+    said: list[str] = []
+    s = Session(2).start(progress=said.append)
+    try:
+        assert any("took a port a rank had picked; starting again" in m for m in said), said
+        assert first and first[0] and wait_gone(first[0]) == []  # the first ones were ended
+        r = s.run("print(mx.distributed.all_sum(mx.ones(2), group=world).tolist())")
+        assert r.stdout(0).strip() == r.stdout(1).strip() == "[2.0, 2.0]"
+    finally:
+        s.stop()
+
+
 def test_one_rank_session_works() -> None:
     with Session(1) as s:
         r = s.run("print(size, mx.distributed.all_sum(mx.ones(2), group=world).tolist())")

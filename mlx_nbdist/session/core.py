@@ -42,7 +42,14 @@ from ..cellcheck import refuse_top_level_await
 from ..client.transfer import Receiver, discard
 from ..engine import rpc
 from ..enums import TextEnum
-from ..errors import CellError, NotStartedError, SessionBrokenError, SetupError, StartError
+from ..errors import (
+    CellError,
+    NotStartedError,
+    PortTakenError,
+    SessionBrokenError,
+    SetupError,
+    StartError,
+)
 from ..history import Entry, cell_entry, render, target, write
 from ..launchers.local import LocalLauncher
 from ..outcomes import check_ledgers, collect, ledgers_of, raise_for, short_error
@@ -279,6 +286,7 @@ class Session:
             if spare is not None:
                 Spare.end(spare)  # another thread started the session meanwhile
             return self
+        launcher = None
         if spare is None:
             launcher = self._launcher()
             check_mlx()  # before the launcher's backend check, which imports mlx.core
@@ -297,9 +305,14 @@ class Session:
             self.group = None
             self.history = []
             try:
-                self.cluster = spare or Cluster(launcher, self.n, self.start_timeout)
-                self.session_id, self.directory = self.cluster.session_id, self.cluster.directory
-                self._launch(self.cluster, say, up=spare is not None)
+                try:
+                    self._bring_up(spare, launcher, say)
+                except PortTakenError:
+                    if self.placement is not None:
+                        raise  # other hosts: the message says what to check
+                    say("another process took a port a rank had picked; starting again")
+                    self._teardown()
+                    self._bring_up(None, self._launcher(), say)
             except BaseException:
                 try:
                     self._teardown()
@@ -311,6 +324,13 @@ class Session:
         _LIVE.add(self)
         self._warm_spare()
         return self
+
+    def _bring_up(self, spare: Cluster | None, launcher: launchers.Launcher | None,
+                  say: Progress) -> None:
+        """A cluster (the spare's, else a new one from ``launcher``) and its group."""
+        self.cluster = spare or Cluster(launcher, self.n, self.start_timeout)
+        self.session_id, self.directory = self.cluster.session_id, self.cluster.directory
+        self._launch(self.cluster, say, up=spare is not None)
 
     def _launcher(self) -> launchers.Launcher:
         if self.placement is not None and self.placement.n != self.n:

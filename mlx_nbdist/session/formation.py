@@ -25,10 +25,14 @@ import psutil
 from .. import hosts, processes, runtime
 from ..config import Backend
 from ..engine import rpc
-from ..errors import StartError
+from ..errors import PortTakenError, StartError
 from ..outcomes import short_error
 from ..results import RankInfo
 from .cluster import Cluster
+
+#: what a rank's error says when a port it picked was taken before MLX bound it (by
+#: another session forming at the same moment), or a stranger answered there
+_PORT_TAKEN = ("Couldn't bind socket", "do not belong to session")
 
 
 @dataclass
@@ -169,7 +173,10 @@ def form_group(
                 f"\nEvery rank first connects to rank 0 on {places[0].addresses[0]}: check "
                 'that the hosts reach it there (firewalls, rank 0\'s "ips" in the hostfile).'
             )
-        raise StartError(f"the {backend} group did not form:\n  " + "\n  ".join(errors) + hint)
+        text = f"the {backend} group did not form:\n  " + "\n  ".join(errors) + hint
+        if any(sign in e for e in errors for sign in _PORT_TAKEN):
+            raise PortTakenError(text)
+        raise StartError(text)
     if sorted(infos) != list(range(n)):
         raise StartError(f"ranks {sorted(infos)} do not cover 0..{n - 1}")
     return Formed(ranks=dict(sorted(infos.items())), places=dict(sorted(places.items())))
