@@ -65,12 +65,36 @@ def first_mismatch(by_rank: Mapping[int, Mapping[Position, Signature]]) -> str |
         if len(ranks_of) > 1:
             parts = "; ".join(f"{_ranks(rs)}: {describe(sig)}" for sig, rs in ranks_of.items())
             trace, n = k
-            where = f"collective {n} of this cell"
-            if trace:
-                transform, _, fn = trace.partition(":")
-                where = f"collective {n} of mx.{transform}'s trace of {fn.rsplit('#', 1)[0]}"
+            where = f"collective {n} of {_trace_name(trace)}" if trace else (
+                f"collective {n} of this cell")
             return f"{where} differs between the ranks ({parts})"
     return None
+
+
+def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
+    """``traces``: per rank that ran the cell, the traces in which it recorded
+    collectives. A trace on some ranks only cannot be compared: the others' call reused
+    a trace of an earlier call (other input shapes), whose collectives nobody saw, so
+    the cell's values cannot be vouched for. Described; None when there is none."""
+    for key in sorted(set().union(*traces.values())):
+        have = sorted(r for r, keys in traces.items() if key in keys)
+        if len(have) < len(traces):
+            others = sorted(set(traces) - set(have))
+            return (
+                f"{_trace_name(key)} recorded collectives on {_ranks(have)} but not on "
+                f"{_ranks(others)}, whose call reused a trace of an earlier call (other "
+                "input shapes) or did not call it: what it runs there cannot be compared, "
+                "so this cell's values are not vouched for. Call it with the same input "
+                "shapes on every rank (pad the last batch), or leave the step with the "
+                "collectives uncompiled"
+            )
+    return None
+
+
+def _trace_name(trace: str) -> str:
+    """``compile:step#1`` -> ``mx.compile's trace of step``."""
+    transform, _, fn = trace.partition(":")
+    return f"mx.{transform}'s trace of {fn.rsplit('#', 1)[0]}"
 
 
 def first_message_mismatch(sent: Mapping[tuple[int, int, int], Message],

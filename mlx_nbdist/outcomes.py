@@ -94,10 +94,14 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
         )
         out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
     else:  # collectives traced by mx.compile are not in the digest: by trace
-        traced = {r: _positions(led, traced=True) for r, led in ledgers.items() if r in ran}
+        traced = {r: _positions(ledgers.get(r) or {}, traced=True) for r in ran}
         found = mismatch.first_mismatch(traced)
         if found:
             out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
+        else:
+            lone = mismatch.lone_trace({r: {t for t, _ in traced[r]} for r in ran})
+            if lone:
+                out.problems.append(lone + ".")
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlx_nbdist.mismatch import first_mismatch, signature
+from mlx_nbdist.mismatch import first_mismatch, lone_trace, signature
 
 A4 = signature("all_sum", (4,), "float32")
 A6 = signature("all_sum", (6,), "float32")
@@ -44,3 +44,11 @@ def test_op_dtype_and_check_flag_count() -> None:
     assert first_mismatch({0: at(A4), 1: at(G4)}) is not None
     assert first_mismatch({0: at(A4), 1: at(signature("all_sum", (4,), "float16"))})
     assert first_mismatch({0: at(A4), 1: at(signature("all_sum", (4,), "float32", True))})
+
+
+def test_a_trace_recorded_on_some_ranks_only_is_named_as_not_comparable() -> None:
+    assert lone_trace({0: {"compile:step#1"}, 1: {"compile:step#1"}}) is None
+    assert lone_trace({0: set(), 1: set()}) is None
+    found = lone_trace({0: set(), 1: {"compile:step#1"}, 2: {"compile:step#1"}})
+    assert found is not None and found.startswith(
+        "mx.compile's trace of step recorded collectives on ranks 1, 2 but not on rank 0")
