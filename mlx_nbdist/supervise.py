@@ -119,6 +119,8 @@ class Supervisor:
         #: (what differs, the running ranks' collective counts, since) while the
         #: ranks' collectives differ (see :meth:`_check_mismatch`)
         self._mismatch: tuple[str, tuple[int, ...], float] | None = None
+        #: status records read in the current health check (see :meth:`_record`)
+        self._records: dict[int, dict[str, Any]] | None = None
         self._output_at = -FLUSH_WINDOW  # when ``wake`` last woke the loop (output)
         #: where stuck ranks were when first found stuck (see :meth:`_take_stacks`)
         self._stacks: dict[int, RankStack] = {}
@@ -147,14 +149,23 @@ class Supervisor:
                 self._output_at = time.monotonic()
         self.wake.clear()
 
+    def _record(self, rank: int) -> dict[str, Any]:
+        """``rank``'s status record: read once per health check while one runs (its
+        checks read every rank's several times), else read now."""
+        if self._records is None:
+            return self.s.rank_record(rank)
+        if rank not in self._records:
+            self._records[rank] = self.s.rank_record(rank)
+        return self._records[rank]
+
     def _cell_records(self, rank: int) -> list[CollectiveRecord]:
         """The collectives ``rank`` issued in this cell, as far as its status file says."""
-        rec = self.s.rank_record(rank)
+        rec = self._record(rank)
         out = [CollectiveRecord.from_dict(d) for d in rec.get("recent", [])]
         return sorted((r for r in out if r.cell == self.cell), key=lambda r: r.index)
 
     def _cell_count(self, rank: int) -> int:
-        rec = self.s.rank_record(rank)
+        rec = self._record(rank)
         if rec.get("tracker_cell") != self.cell:
             return 0
         return int(rec.get("cell_collectives", 0))
@@ -234,8 +245,12 @@ class Supervisor:
             self.out.broken = problem
             return
         self._check_dead()
-        self._check_mismatch()
-        self._check_deadlock()
+        self._records = {}  # the same snapshot for both checks (they only read it)
+        try:
+            self._check_mismatch()
+            self._check_deadlock()
+        finally:
+            self._records = None
 
     def _check_mismatch(self) -> None:
         """Two ranks' n-th collectives over the whole group in this cell differ (op,
@@ -333,7 +348,7 @@ class Supervisor:
         waits = {}
         for r in running:
             recs = self._cell_records(r)
-            where = self.s.rank_record(r).get("main_frame")
+            where = self._record(r).get("main_frame")
             if not recs or recs[-1].op not in _RECV or not where:
                 self._recv_wait = None
                 return
@@ -343,8 +358,8 @@ class Supervisor:
             return
         for r, (_, peer, _) in waits.items():
             # a receive whose message the peer already sent completes: not a deadlock
-            got = int(self.s.rank_record(r).get("recvd", {}).get(str(peer), 0))
-            sent = int(self.s.rank_record(peer).get("sent", {}).get(str(r), 0))
+            got = int(self._record(r).get("recvd", {}).get(str(peer), 0))
+            sent = int(self._record(peer).get("sent", {}).get(str(r), 0))
             if sent >= got:
                 self._recv_wait = None
                 return
