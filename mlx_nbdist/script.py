@@ -324,14 +324,23 @@ def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) 
     failed = [f for f in e.failures if f.cause in (ERROR, DIED, PAUSED)] or e.failures
     exits = [f for f in failed if f.ename == "SystemExit"]
     if exits and len(exits) == len(failed):  # sys.exit, as Python ends a script on it
-        for f in exits:
-            if _exit_status(f.evalue) == 1 and f.evalue.strip() not in ("1", "True"):
-                print(f"[rank {f.rank}] {f.evalue}", file=err)  # sys.exit("message")
-        status = max((_exit_status(f.evalue) for f in exits), key=abs)
-        if len(failed) < len(e.failures) and e.summary:
-            print(e.summary, file=err)  # peers released from a collective
+        ends = {f.rank: _exit(f.evalue) for f in exits}
+        for r, (_, message) in ends.items():
+            if message:
+                print(f"[rank {r}] {message}", file=err)  # sys.exit("message")
+        status = max((code for code, _ in ends.values()), key=abs)
+        released = sorted(f.rank for f in e.failures if f not in failed)
+        if released:  # peers waited in a collective for the rank that left
+            if e.summary:
+                print(e.summary, file=err)
+            if not status:  # their values are invalid: not a success
+                print(f"mlx_nbdist run: {path} failed: sys.exit(0) on rank "
+                      f"{', '.join(map(str, ends))} while rank "
+                      f"{', '.join(map(str, released))} waited for it", file=err)
+                err.flush()
+                return 1
         if status:
-            ranks = ", ".join(str(f.rank) for f in exits if _exit_status(f.evalue))
+            ranks = ", ".join(str(r) for r, (code, _) in ends.items() if code)
             print(f"mlx_nbdist run: {path} exited with status {status} (sys.exit on rank "
                   f"{ranks})", file=err)
         err.flush()
@@ -360,13 +369,16 @@ def _report(e: CellError, path: Path, n: int, err: IO[str], tail_line: int = 0) 
     return 1
 
 
-def _exit_status(evalue: str) -> int:
-    """A ``SystemExit``'s status, as Python's interpreter gives it: ``None`` or nothing
-    is 0, an integer is itself, anything else (a message) is 1."""
+def _exit(evalue: str) -> tuple[int, str]:
+    """A ``SystemExit``'s status and the message Python prints, from its text:
+    ``None`` or nothing is 0, an integer (``True``, ``False``) is itself, anything
+    else is a message and status 1."""
     text = evalue.strip()
     if text in ("", "None"):
-        return 0
+        return 0, ""
+    if text in ("True", "False"):
+        return int(text == "True"), ""
     try:
-        return int(text)
+        return int(text), ""
     except ValueError:
-        return 1
+        return 1, text

@@ -461,6 +461,8 @@ def test_a_failing_rank_exits_non_zero_naming_it(tmp_path: Path):
 @pytest.mark.parametrize("arg, status, says", [
     ("6", 6, "exited with status 6 (sys.exit on rank 1)"),
     ("'bad config: lr must be positive'", 1, "[rank 1] bad config: lr must be positive"),
+    # rank 0 was released from a collective rank 1 never joined: not a success
+    ("0", 1, "failed: sys.exit(0) on rank 1 while rank 0 waited for it"),
 ])
 def test_sys_exit_while_a_peer_waits_gives_its_status(tmp_path: Path, arg: str, status: int,
                                                        says: str):
