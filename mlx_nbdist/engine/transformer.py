@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..enums import TextEnum
-from ..results import HeadRow, ShardMode
+from ..results import HeadRow, ShardMode, count
 
 
 class BlockKind(TextEnum):
@@ -98,23 +98,18 @@ class Block:
         heads = self.heads[1] if self.heads else 0
         kv = self.kv_heads[1] if self.kv_heads else heads
         problem = ""
-        counts = {"heads": heads, "kv heads": kv}
+        counts = {"head": heads, "kv head": kv}
         bad = {what: k for what, k in counts.items() if k % n_ranks}
         if bad:
-            text = " and ".join(_heads(k, what) for what, k in bad.items())
+            text = " and ".join(count(k, what) for what, k in bad.items())
             verb = "does" if list(bad.values()) == [1] else "do"
-            rest = "".join(f"; its {_heads(k, what)} do" for what, k in counts.items()
+            rest = "".join(f"; its {count(k, what)} do" for what, k in counts.items()
                            if what not in bad)
             problem = (f"{self.path}: {text} {verb} not divide by {n_ranks} ranks (each rank "
                        f"must hold whole heads{rest})")
         attrs = tuple(dict.fromkeys(a[0] for a in (self.heads, self.kv_heads) if a))
         return HeadRow(path=self.path, heads=heads, kv_heads=kv, head_dim=self.head_dim or 0,
                        group_size=n_ranks, problem=problem, attrs=attrs)
-
-
-def _heads(k: int, what: str) -> str:
-    """``4 heads``, ``1 kv head``."""
-    return f"{k} {what if k != 1 else what[:-1]}"
 
 
 def _join(prefix: str, key: Any) -> str:
