@@ -334,13 +334,18 @@ _MLX_GROUP_VARS = (
 )
 
 
+#: what a rank says when a stranger answered on the group's ports (the notebook side
+#: starts again on it: :mod:`mlx_nbdist.session.formation`)
+STRANGERS = "do not belong to session"
+
+
 def _check_membership(mx: Any, world: Any, token: int, session_id: str) -> None:
     tokens = mx.distributed.all_gather(mx.array([token], dtype=mx.int32), group=world)
     got = tokens.tolist()
     strangers = [r for r, t in enumerate(got) if t != token]
     if strangers:
         raise RuntimeError(
-            f"ranks {strangers} of the MLX group do not belong to session {session_id}: "
+            f"ranks {strangers} of the MLX group {STRANGERS} {session_id}: "
             "a process from an earlier session is listening on this session's ports. "
             "Run %mlxdist cleanup, then start again."
         )

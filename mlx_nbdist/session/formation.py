@@ -24,7 +24,7 @@ import psutil
 
 from .. import hosts, processes, runtime
 from ..config import Backend
-from ..engine import rpc
+from ..engine import bootstrap, rpc
 from ..errors import PortTakenError, StartError
 from ..outcomes import short_error
 from ..results import RankInfo
@@ -32,7 +32,7 @@ from .cluster import Cluster
 
 #: what a rank's error says when a port it picked was taken before MLX bound it (by
 #: another session forming at the same moment), or a stranger answered there
-_PORT_TAKEN = ("Couldn't bind socket", "do not belong to session")
+_PORT_TAKEN = ("Couldn't bind socket", bootstrap.STRANGERS)
 
 
 @dataclass
