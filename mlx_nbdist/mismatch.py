@@ -11,6 +11,7 @@ from the ranks' status files) and after the cell (their ledgers).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: what must agree across ranks: op, shape, dtype (and whether ``--check-collectives``
 #: issued it)
@@ -40,6 +41,15 @@ MESSAGE_CONSEQUENCE = (
     "MLX sends bytes without checking what the receiver expects: it reads wrong data, "
     "or waits forever for bytes that never come. A recv must expect the shape and dtype "
     "its send sent."
+)
+
+
+ORDER_CONSEQUENCE = (
+    "The ranks issued the same collectives but ran them in different orders: MLX runs a "
+    "collective when its output is evaluated and pairs the ranks' collectives in the "
+    "order they run, so its values are wrong. Evaluate collectives in the same order on "
+    "every rank: evaluate a whole step on every rank (mx.eval(loss, grads)) before one "
+    "rank reads a value of it (.item(), print)"
 )
 
 
@@ -88,6 +98,26 @@ def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
                 "shapes on every rank (pad the last batch), or leave the step with the "
                 "collectives uncompiled"
             )
+    return None
+
+
+def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]]) -> str | None:
+    """``found``: per rank, the collectives whose tag says they ran together with
+    another collective (``engine.order.Tag.problem``). The lowest rank's first,
+    described; None when there is none."""
+    for rank in sorted(found):
+        for p in found[rank]:
+            what = describe(signature(p["op"], p["shape"], p["dtype"]))
+            withs = p.get("with") or {}
+            if p["op"] in ("recv", "recv_like"):
+                src, got = p["peer"], withs.get(str(p["peer"]))
+                read = f"rank {src}'s message {got}" if got else f"another message of rank {src}"
+                return (f"message {p['n']} from rank {src} to rank {rank} ({what}) read "
+                        f"{read}")
+            known = [f"collective {n} of rank {r}" for r, n in withs.items() if n]
+            partner = " and ".join(known) if known else "another collective on another rank"
+            return (f"collective {p['n']} of this cell ({what}) ran on rank {rank} together "
+                    f"with {partner}")
     return None
 
 

@@ -102,6 +102,10 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
             lone = mismatch.lone_trace({r: {t for t, _ in traced[r]} for r in ran})
             if lone:
                 out.problems.append(lone + ".")
+    order = mismatch.first_order_problem(
+        {r: led["order"] for r, led in ledgers.items() if led.get("order")})
+    if order:
+        out.problems.append(f"{order}. {mismatch.ORDER_CONSEQUENCE}.")
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():

@@ -205,21 +205,28 @@ def test_rank_killed_between_cells_shows_in_status(fresh2: Session) -> None:
     assert "SIGKILL" in st.broken_reason
 
 
-def test_interrupt_during_restart_leaves_a_stopped_session(fresh2: Session) -> None:
+def test_interrupt_during_restart_leaves_a_stopped_session() -> None:
+    # no spare: a restart onto warm engines takes ~0.3 s and could end before the alarm
+    # (it did, once the spare was ready in time); a cold one starts processes, > 1 s
+    s = Session(2, timeout=60, spare=False).start()
+
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 1.5)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            fresh2.restart()
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.restart()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert s.state == "stopped"
+        s.start()
+        assert_works(s)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    assert fresh2.state == "stopped"
-    fresh2.start()
-    assert_works(fresh2)
+        s.stop()
 
 
 def test_paused_rank_is_not_called_dead_and_nothing_is_left(fresh2: Session) -> None:

@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from ..mismatch import LEDGER_HEAD, P2P
 from ..results import CollectiveRecord
-from . import dtypes
+from . import dtypes, order
 
 if TYPE_CHECKING:
     from .profile import Recorder
@@ -122,9 +122,11 @@ class Tracker:
         #: how many group collectives this rank issued before it (ring shares streams)
         self._sent: dict[int, list[list[Any]]] = {}
         self._recvd: dict[int, list[list[Any]]] = {}
-        self._held: list[tuple[CollectiveRecord, Any]] = []
+        self._held: list[tuple[CollectiveRecord, Any, order.Tag | None]] = []
         self._held_bytes = 0
         self._compact_at = COMPACT_AT
+        #: collectives whose tag says they ran with another collective (see :mod:`.order`)
+        self._order: list[dict[str, Any]] = []
 
     # -- installation -------------------------------------------------------------
     def install(self) -> None:
@@ -222,6 +224,7 @@ class Tracker:
                 "traced": {k: list(v) for k, v in self._traced.items()},
                 "sent": {str(p): list(v) for p, v in self._sent.items()},
                 "recvd": {str(p): list(v) for p, v in self._recvd.items()},
+                "order": list(self._order),
             }
 
     def settle(self) -> list[CollectiveRecord]:
@@ -236,9 +239,8 @@ class Tracker:
         """
         with self._lock:
             held, self._held = self._held, []
-        pending = [(rec, a) for rec, a in held if not _evaluated(a)]
-        if not pending:
-            return []
+        pending = [(rec, a) for rec, a, _ in held if not _evaluated(a)]
+        failed: set[int] = set()
         self.settling = [rec for rec, _ in pending]
         done = []
         try:
@@ -248,11 +250,30 @@ class Tracker:
                 except Exception:  # noqa: BLE001 - it did not run, so it cannot pair either
                     # a tracer of mx.compile (it runs inside the compiled call), an op the
                     # backend lacks (ring has no sum_scatter), a peer gone: not our error
+                    failed.add(rec.seq)
                     continue
                 done.append(rec)
         finally:
             self.settling = []
+        self._read_tags([t for rec, _, t in held if t is not None and rec.seq not in failed])
         return done
+
+    def _read_tags(self, tags: list[order.Tag]) -> None:
+        """Read the tags of collectives that have run; note those that ran with
+        another collective (the first few: the ledger names the first)."""
+        if not tags or len(self._order) >= 4:
+            return
+        try:
+            mx.eval(*[t.tail for t in tags])
+            values = [t.tail.tolist() for t in tags]
+        except Exception:  # noqa: BLE001 - a peer gone mid-collective: the cell says so
+            return
+        for t, got in zip(tags, values, strict=True):
+            peer = t.rec.peer
+            issued = self._collectives if peer is None else len(self._recvd.get(int(peer), []))
+            found = t.problem(got, self.rank, issued)
+            if found is not None and len(self._order) < 4:
+                self._order.append(found)
 
     # -- the wrapper --------------------------------------------------------------
     def _record(
@@ -314,11 +335,11 @@ class Tracker:
             self._sigs.append([op, list(shape), dtype, check])
         return sid
 
-    def _hold(self, rec: CollectiveRecord, out: Any) -> None:
+    def _hold(self, rec: CollectiveRecord, out: Any, tag: order.Tag | None) -> None:
         if not isinstance(out, mx.array):
             return
         with self._lock:
-            self._held.append((rec, out))
+            self._held.append((rec, out, tag))
             self._held_bytes += int(out.nbytes)
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
@@ -330,11 +351,14 @@ class Tracker:
         # half is checked at the next one. (Checking all cost a tensor-parallel decode
         # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them.
         cut = len(held) if by_bytes else len(held) // 2
-        keep = [(r, a) for r, a in held[:cut] if not _evaluated(a)] + held[cut:]
+        ran = {id(item) for item in held[:cut] if _evaluated(item[1])}
+        keep = [item for item in held[:cut] if id(item) not in ran] + held[cut:]
+        # those that ran are dropped: read their tags first
+        self._read_tags([item[2] for item in held[:cut] if id(item) in ran and item[2]])
         with self._lock:
             added = self._held[len(held) :]
             self._held = keep + added
-            self._held_bytes = sum(int(a.nbytes) for _, a in self._held)
+            self._held_bytes = sum(int(a.nbytes) for _, a, _ in self._held)
             self._compact_at = max(COMPACT_AT, 2 * len(self._held))
 
     def _wrap(self, op: str, fn: Any) -> Any:
@@ -355,13 +379,22 @@ class Tracker:
             world = group.size() == tracker.size
             traced = tracker.tracing()
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
+            # tagged with its position, to prove the ranks ran it together (see .order)
+            m = 0 if traced or not world else order.modulus(op, dtype, tracker.size, nbytes)
+            plan = m and order.call(op, tracker._orig, args, kwargs, rec.group_index, m,
+                                    tracker.size)
+            run, a, kw = plan[:3] if plan else (fn, args, kwargs)
             recorder = tracker.recorder
-            if recorder is None:
-                out = fn(*args, **kwargs)
-            else:  # a profiled cell: evaluate the inputs, then this collective, timed
-                out = recorder.timed(rec, fn, args, kwargs, world)
+            # a profiled cell: evaluate the inputs, then this collective, timed
+            out = run(*a, **kw) if recorder is None else recorder.timed(rec, run, a, kw, world)
+            tag = None
+            if plan:
+                out, tail = plan[3](out)
+                if tail is not None and not tracker._replaying:
+                    pos = order.position(rec.group_index, m)
+                    tag = order.Tag(rec, tail, pos, m, tracker.size)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
-                tracker._hold(rec, out)
+                tracker._hold(rec, out, tag)
             return out
 
         wrapper.__name__ = op
@@ -526,7 +559,10 @@ def drain(tracker: Tracker, records: list[dict[str, Any]]) -> list[str]:
 def _replay(tracker: Tracker, rec: CollectiveRecord, from_rank: int | None) -> Any:
     dtype = getattr(mx, rec.dtype)
     dist = mx.distributed
-    if rec.op not in P2P:
+    if (rec.trace or rec.check) and rec.op not in P2P:
+        # traced in mx.compile, or --check-collectives' own gather: it carried no tag
+        return tracker.original(rec.op)(mx.zeros(rec.shape, dtype=dtype), group=tracker.world)
+    if rec.op not in P2P:  # through the wrapper: tagged as the peer's was (see .order)
         return getattr(dist, rec.op)(mx.zeros(rec.shape, dtype=dtype), group=tracker.world)
     if rec.peer != tracker.rank or from_rank is None:
         return None

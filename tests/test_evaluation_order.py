@@ -1,0 +1,118 @@
+"""Collectives run in another order on one rank, on a real 2-rank group.
+
+MLX pairs the ranks' collectives in the order they *run* (when their outputs are
+evaluated), not the order they were issued: two ranks that issue the same collectives
+but evaluate them in another order exchange each other's data, and with equal sizes
+MLX returns wrong values without a word. Each collective carries a tag of its
+position (``mlx_nbdist.engine.order``): the cell fails naming both collectives, and
+the group, proved in step, stays usable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlx_nbdist import CellError, Session
+
+SWAP = (
+    "a = mx.distributed.all_sum(mx.ones({shape}, dtype=mx.{dtype}) * (rank + 1), group=world)\n"
+    "b = mx.distributed.all_sum(mx.ones({shape}, dtype=mx.{dtype}) * 10 * (rank + 1), "
+    "group=world)\n"
+    "if rank == 0:\n"
+    "    mx.eval(a); mx.eval(b)\n"
+    "else:\n"
+    "    mx.eval(b); mx.eval(a)\n"
+    "print(a.tolist(), b.tolist())"
+)
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((4,), "float32"), ((2, 2), "bfloat16"),
+                                              ((3,), "int32")])
+def test_collectives_evaluated_in_another_order_fail_naming_both(
+        session2: Session, shape: tuple[int, ...], dtype: str) -> None:
+    with pytest.raises(CellError) as info:
+        session2.run(SWAP.format(shape=shape, dtype=dtype))
+    text = str(info.value)
+    assert (f"collective 1 of this cell (all_sum shape={shape} dtype={dtype}) ran on rank 0 "
+            "together with collective 2 of rank 1") in text, text
+    assert "ran them in different orders" in text and "values are wrong" in text
+    assert not info.value.result.valid
+    assert session2.state == "ready"
+    # the same cell, the same order on both ranks: right values, no complaint
+    r = session2.run(SWAP.format(shape=shape, dtype=dtype).replace(
+        "mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+    for rank in (0, 1):
+        a, b = r.stdout(rank).strip().rsplit("] [", 1)
+        n = math.prod(shape)
+        assert a.count("3") == n and b.count("30") == n, r.stdout(rank)
+
+
+def test_the_loss_read_on_rank_0_in_the_middle_of_a_step_fails(session2: Session) -> None:
+    """The user trial's case: a data-parallel step whose loss rank 0 prints before the
+    step is evaluated. Rank 0 runs the loss's all_sum first, rank 1 the gradients'
+    first: each is summed with the other's, and the cell said nothing."""
+    session2.run(
+        "import mlx.nn as nn, mlx.optimizers as optim\n"
+        "mx.random.seed(rank)\n"
+        "eo_model = nn.Linear(16, 8)\n"
+        "eo_opt = optim.SGD(learning_rate=0.1)\n"
+        "eo_x, eo_y = mx.random.normal((8, 16)), mx.random.normal((8, 8))\n"
+        "eo_vg = nn.value_and_grad(eo_model, lambda m, x, y: nn.losses.mse_loss(m(x), y))\n"
+        "def eo_step(peek):\n"
+        "    loss, g = eo_vg(eo_model, eo_x, eo_y)\n"
+        "    loss = mx.distributed.all_sum(loss, group=world) / 2\n"
+        "    g = nn.average_gradients(g, group=world)\n"
+        "    if peek and rank == 0:\n"
+        "        print('loss', loss.item())\n"
+        "    eo_opt.update(eo_model, g)\n"
+        "    mx.eval(eo_model.parameters(), eo_opt.state)\n"
+        "    return loss.item()\n")
+    with pytest.raises(CellError) as info:
+        session2.run("eo_step(peek=True)")
+    text = str(info.value)
+    assert "collective 1 of this cell (all_sum shape=() dtype=float32) ran on rank 0" in text
+    assert "ran them in different orders" in text
+    assert session2.state == "ready"
+    # evaluated on every rank before it is read: the same loss everywhere, no complaint
+    r = session2.run("print(eo_step(peek=False))")
+    assert r.stdout(0).strip() == r.stdout(1).strip(), (r.stdout(0), r.stdout(1))
+
+
+def test_messages_received_in_another_order_fail_naming_the_message(session2: Session) -> None:
+    with pytest.raises(CellError) as info:
+        session2.run(
+            "if rank == 0:\n"
+            "    mx.eval(mx.distributed.send(mx.arange(3), 1, group=world))\n"
+            "    mx.eval(mx.distributed.send(mx.arange(3) + 10, 1, group=world))\n"
+            "else:\n"
+            "    y = mx.distributed.recv((3,), mx.int32, 0, group=world)\n"
+            "    z = mx.distributed.recv_like(y, 0, group=world)\n"
+            "    mx.eval(z); mx.eval(y)\n"
+            "    print(y.tolist(), z.tolist())")
+    text = str(info.value)
+    assert ("message 1 from rank 0 to rank 1 (recv shape=(3,) dtype=int32) read rank 0's "
+            "message 2") in text, text
+    assert session2.state == "ready"
+
+
+def test_tagged_collectives_return_the_users_shapes_and_values(session2: Session) -> None:
+    """What each op returns with its tag stripped, against the values it must have; and
+    a collective too large to tag (1 MiB and more) is untouched."""
+    r = session2.run(
+        "g = mx.distributed.all_gather(mx.arange(6).reshape(2, 3) + 10 * rank, group=world)\n"
+        "mx_ = mx.distributed.all_max(mx.array([rank, 5 - rank], dtype=mx.int8), group=world)\n"
+        "mn = mx.distributed.all_min(mx.array([rank, 5 - rank], dtype=mx.float16), group=world)\n"
+        "big = mx.distributed.all_sum(mx.ones((512, 512)) * (rank + 1), group=world)\n"
+        "if rank == 0:\n"
+        "    m = mx.distributed.send(mx.array([[1.5, 2.5]]), 1, group=world)\n"
+        "else:\n"
+        "    m = mx.distributed.recv((1, 2), mx.float32, 0, group=world)\n"
+        "mx.eval(g, mx_, mn, big, m)\n"
+        "print(g.shape, g.tolist(), mx_.dtype, mx_.tolist(), mn.tolist(), big.shape,\n"
+        "      big.min().item(), big.max().item(), m.shape, m.tolist())")
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == (
+            "(4, 3) [[0, 1, 2], [3, 4, 5], [10, 11, 12], [13, 14, 15]] mlx.core.int8 [1, 5] "
+            "[0.0, 4.0] (512, 512) 3.0 3.0 (1, 2) [[1.5, 2.5]]"), r.stdout(rank)
