@@ -104,21 +104,32 @@ def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
 def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]]) -> str | None:
     """``found``: per rank, the collectives whose tag says they ran together with
     another collective (``engine.order.Tag.problem``). The lowest rank's first,
-    described; None when there is none."""
-    for rank in sorted(found):
-        for p in found[rank]:
-            what = describe(signature(p["op"], p["shape"], p["dtype"]))
-            withs = p.get("with") or {}
-            if p["op"] in ("recv", "recv_like"):
-                src, got = p["peer"], withs.get(str(p["peer"]))
-                read = f"rank {src}'s message {got}" if got else f"another message of rank {src}"
-                return (f"message {p['n']} from rank {src} to rank {rank} ({what}) read "
-                        f"{read}")
-            known = [f"collective {n} of rank {r}" for r, n in withs.items() if n]
-            partner = " and ".join(known) if known else "another collective on another rank"
-            return (f"collective {p['n']} of this cell ({what}) ran on rank {rank} together "
-                    f"with {partner}")
-    return None
+    described with why; None when there is none."""
+    problems = [(rank, p) for rank in sorted(found) for p in found[rank]]
+    if not problems:
+        return None
+    rank, p = problems[0]
+    what = describe(signature(p["op"], p["shape"], p["dtype"]))
+    withs = p.get("with") or {}
+    if p["op"] in P2P:
+        src, got = p["peer"], withs.get(str(p["peer"]))
+        read = f"rank {src}'s message {got}" if got else f"another message of rank {src}"
+        text = f"message {p['n']} from rank {src} to rank {rank} ({what}) read {read}"
+    else:
+        known = [f"collective {n} of rank {r}" for r, n in withs.items() if n]
+        partner = " and ".join(known) if known else "another collective on another rank"
+        text = (f"collective {p['n']} of this cell ({what}) ran on rank {rank} together "
+                f"with {partner}")
+    left = sorted({r for r, q in problems if q.get("settled")})
+    if left:
+        cells = "its cell" if len(left) == 1 else "their cells"
+        who = _ranks(left)
+        return (f"{text}. {who[0].upper()}{who[1:]} had not evaluated them when {cells} ended (an "
+                "error, an interrupt, or outputs left unevaluated), so mlx_nbdist ran them "
+                "then, in the order they were issued, while the other ranks had run them in "
+                "the order their mx.eval chose (mx.eval(a, b) may run b first): the values "
+                "those ranks computed from them are wrong.")
+    return f"{text}. {ORDER_CONSEQUENCE}."
 
 
 def _trace_name(trace: str) -> str:

@@ -105,7 +105,7 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
     order = mismatch.first_order_problem(
         {r: led["order"] for r, led in ledgers.items() if led.get("order")})
     if order:
-        out.problems.append(f"{order}. {mismatch.ORDER_CONSEQUENCE}.")
+        out.problems.append(order)
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():

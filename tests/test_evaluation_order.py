@@ -116,3 +116,68 @@ def test_tagged_collectives_return_the_users_shapes_and_values(session2: Session
         assert r.stdout(rank).strip() == (
             "(4, 3) [[0, 1, 2], [3, 4, 5], [10, 11, 12], [13, 14, 15]] mlx.core.int8 [1, 5] "
             "[0.0, 4.0] (512, 512) 3.0 3.0 (1, 2) [[1.5, 2.5]]"), r.stdout(rank)
+
+
+def test_a_swap_a_whole_forward_apart_in_float16_is_caught(session2: Session) -> None:
+    """Two float16 sums 32 positions apart (one forward of a 16-layer TP model): the
+    first version told float16 positions apart modulo 32 only, and missed this."""
+    with pytest.raises(CellError) as info:
+        session2.run(
+            "xs = [mx.distributed.all_sum(mx.ones(4, dtype=mx.float16) * (i + 1), group=world)\n"
+            "      for i in range(34)]\n"
+            "if rank == 1:\n"
+            "    mx.eval(xs[32])\n"
+            "for x in xs:\n"
+            "    mx.eval(x)")
+    assert ("collective 1 of this cell (all_sum shape=(4,) dtype=float16) ran on rank 0 "
+            "together with collective 33 of rank 1") in str(info.value), str(info.value)
+    assert session2.state == "ready"
+
+
+@pytest.mark.parametrize("send", [
+    "mx.distributed.send(x=mx.array([1., 2., 3.]), dst=1, group=world)",
+    "mx.distributed.send(np.array([1., 2., 3.], np.float32), 1, group=world)",
+    "mx.compile(lambda v: mx.distributed.send(v, 1, group=world))(mx.array([1., 2., 3.]))",
+])
+@pytest.mark.parametrize("recv", [
+    "mx.distributed.recv((3,), mx.float32, 0, group=world)",
+    "mx.distributed.recv_like(np.zeros(3, np.float32), 0, group=world)",
+    "mx.compile(lambda p: mx.distributed.recv_like(p, 0, group=world) * 1)(mx.zeros(3))",
+])
+def test_a_message_is_tagged_alike_however_each_side_issues_it(
+        session2: Session, send: str, recv: str) -> None:
+    """Whether a message carries a tag follows from its dtype and size alone: the first
+    version tagged a receive but not a send of numpy data, by keyword or traced in
+    mx.compile, so one side read the other's tag as data (or waited for it)."""
+    r = session2.run(
+        "import numpy as np\n"
+        "for _ in range(2):\n"
+        "    if rank == 0:\n"
+        f"        mx.eval({send})\n"
+        "    else:\n"
+        f"        print(({recv}).tolist())", timeout=30)
+    assert r.stdout(1).split() == ["[1.0,", "2.0,", "3.0]"] * 2, r.stdout(1)
+    assert session2.state == "ready"
+
+
+def test_collectives_a_failed_rank_left_are_not_blamed_on_the_others_order(
+        session2: Session) -> None:
+    """Rank 1 raises before its mx.eval(a, b): its cell's end runs a, then b; rank 0's
+    mx.eval(a, b) ran b first. Its values are wrong (they were, silently, before the
+    tags), and the message says why, not that the step was read mid-way."""
+    with pytest.raises(CellError) as info:
+        session2.run(
+            "a = mx.distributed.all_sum(mx.ones(3) * (rank + 1), group=world)\n"
+            "b = mx.distributed.all_sum(mx.ones(3) * 10 * (rank + 1), group=world)\n"
+            "if rank == 1:\n"
+            "    raise ValueError('rank 1 fails')\n"
+            "mx.eval(a, b)\n"
+            "print(a.tolist(), b.tolist())")
+    text = str(info.value)
+    assert "ValueError" in text and "rank 1 fails" in text
+    if "ran on rank 0 together with" in text:  # mx.eval(a, b) ran b first (it does here)
+        assert "Rank 1 had not evaluated them when its cell ended" in text, text
+        assert "mx.eval(loss, grads)" not in text
+    else:
+        assert info.value.result.ranks[0].stdout.strip() == "[3.0, 3.0, 3.0] [30.0, 30.0, 30.0]"
+    assert session2.state == "ready"

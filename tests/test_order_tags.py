@@ -9,56 +9,110 @@ from mlx_nbdist.mismatch import first_order_problem
 from mlx_nbdist.results import CollectiveRecord
 
 
-def test_a_dtype_tags_positions_modulo_what_it_holds_exactly() -> None:
-    # a sum of 2 ranks holds 2 * a * a: float32 up to 2**24, bfloat16 up to 2**8
-    assert order.modulus("all_sum", "float32", 2, 16) == 2896
-    assert order.modulus("all_sum", "bfloat16", 2, 16) == 11
-    assert order.modulus("all_gather", "bfloat16", 2, 16) == 255
-    assert order.modulus("all_sum", "bool", 2, 16) == 0
-    assert order.modulus("sum_scatter", "float32", 2, 16) == 0
-    assert order.modulus("all_sum", "float32", 2, order.MAX_BYTES) == 0
-    assert order.modulus("all_sum", "bfloat16", 64, 16) == 2  # 64 * 2 * 2 = 256
-    assert order.modulus("all_sum", "int8", 64, 16) == 0  # not even 2 positions
+@pytest.mark.parametrize(("op", "dtype", "size", "base", "n"), [
+    # a sum of 2 ranks holds 2 * d * d exactly: float32 to 2**24, bfloat16 to 2**8
+    ("all_sum", "float32", 2, 2897, 2),
+    ("all_sum", "bfloat16", 2, 12, 5),
+    ("all_sum", "float16", 2, 33, 3),
+    ("all_sum", "bfloat16", 4, 9, 5),
+    ("all_sum", "int8", 64, 2, 15),
+    ("all_max", "bfloat16", 2, 257, 2),
+    ("all_gather", "int32", 8, order.SPAN, 1),
+    ("recv", "uint8", 2, 255, 2),  # a message's last digit is the wildcard's
+])
+def test_every_tag_tells_at_least_a_span_of_positions_apart(
+        op: str, dtype: str, size: int, base: int, n: int) -> None:
+    assert order.width(op, dtype, size, 16) == (base, n)
+    assert base**n >= order.SPAN
 
 
-def tag(op: str, index: int, m: int = 100, size: int = 2, peer: int | None = None) -> order.Tag:
+def test_what_is_not_tagged() -> None:
+    assert order.width("all_sum", "bool", 2, 16) == (0, 0)
+    assert order.width("sum_scatter", "float32", 2, 16) == (0, 0)
+    assert order.width("all_sum", "float32", 2, order.MAX_BYTES) == (0, 0)
+    assert order.width("all_sum", "float32", 1, 16) == (0, 0)
+
+
+def test_digits_are_a_position_and_the_wildcard_is_none() -> None:
+    assert order.digits(1, 12, 3) == [0, 0, 0]
+    assert order.digits(12 * 12 + 3, 12, 3) == [2, 0, 1]
+    assert order.digits(order.WILDCARD, 12, 3) == [12, 12, 12]
+
+
+def tag(op: str, index: int, base: int = 10, n: int = 2, size: int = 2,
+        peer: int | None = None) -> order.Tag:
     rec = CollectiveRecord(1, op, (4,), "float32", peer, 16, 1, index, False, index, "")
-    return order.Tag(rec, None, order.position(index, m), m, size)
+    return order.Tag(rec, None, order.digits(index, base, n), base, size)
 
 
 @pytest.mark.parametrize(("op", "got"), [
-    ("all_sum", [6, 18]), ("all_max", [3, 98]), ("all_min", [3, 98]),
-    ("all_gather", [3, 3]), ("recv", [3])])
+    # position 13: digits [2, 1]
+    ("all_sum", [4, 8, 2, 2]), ("all_max", [2, 7, 1, 8]), ("all_min", [2, 7, 1, 8]),
+    ("all_gather", [2, 1, 2, 1]), ("recv", [2, 1])])
 def test_the_expected_tag_is_no_problem(op: str, got: list[float]) -> None:
-    assert tag(op, 3).problem(got, 0, issued=5) is None
+    assert tag(op, 13).problem(got, 0, issued=20) is None
+
+
+def test_a_message_from_a_traced_sender_is_any_position() -> None:
+    assert tag("recv", 13).problem([10, 10], 1, issued=20) is None
+    assert tag("recv", 13).problem([3, 1], 1, issued=20) is not None
 
 
 def test_a_sum_names_the_partner_on_two_ranks() -> None:
-    found = tag("all_sum", 3).problem([3 + 5, 9 + 25], 0, issued=5)
-    assert found is not None and found["with"] == {"1": 5}
-    # more positions than the modulus: the partner could be more than one
-    found = tag("all_sum", 3, m=4).problem([3 + 1, 9 + 1], 0, issued=5)
-    assert found is not None and found["with"] == {"1": None}
+    # ours is position 13 ([2, 1]), theirs 15 ([4, 1])
+    found = tag("all_sum", 13).problem([6, 20, 2, 2], 0, issued=20)
+    assert found is not None and found["with"] == {"1": 15} and not found["settled"]
+    # more positions than the tag tells apart: the partner could be more than one
+    assert tag("all_sum", 13).problem([6, 20, 2, 2], 0, issued=101)["with"] == {"1": None}
+    # not a tag at all (a collective of another size ran with it): no position
+    assert tag("all_sum", 13).problem([6.5, 20, 2, 2], 0, issued=20)["with"] == {"1": None}
 
 
-def test_three_ranks_whose_positions_average_to_ours_are_caught() -> None:
-    # positions 2, 3, 4: their sum is 3 * 3, their squares' is not 3 * 9
-    assert tag("all_sum", 3, size=3).problem([9, 4 + 9 + 16], 0, issued=5) is not None
+def test_three_ranks_whose_digits_average_to_ours_are_caught() -> None:
+    # digits 1, 2, 3 for ours 2: their sum is 3 * 2, their squares' is not 3 * 4
+    assert tag("all_sum", 3, size=3).problem([6, 14, 0, 0], 0, issued=5) is not None
 
 
 def test_a_gather_names_each_rank_that_ran_another() -> None:
-    found = tag("all_gather", 2, size=3).problem([2, 4, 2], 0, issued=5)
+    found = tag("all_gather", 2, size=3).problem([1, 0, 3, 0, 1, 0], 0, issued=5)
     assert found is not None and found["with"] == {"1": 4}
 
 
 def test_the_lowest_ranks_first_problem_is_described() -> None:
-    t1 = tag("all_sum", 1).problem([1 + 2, 1 + 4], 1, issued=2)
-    t0 = tag("all_sum", 2).problem([2 + 1, 4 + 1], 0, issued=2)
+    t1 = tag("all_sum", 1).problem([1, 1, 0, 0], 1, issued=2)
+    t0 = tag("all_sum", 2).problem([1, 1, 0, 0], 0, issued=2)
     text = first_order_problem({1: [t1], 0: [t0]})
-    assert text == ("collective 2 of this cell (all_sum shape=(4,) dtype=float32) ran on "
-                    "rank 0 together with collective 1 of rank 1")
-    msg = tag("recv", 1, peer=0).problem([2], 1, issued=2)
-    assert first_order_problem({1: [msg]}) == (
+    assert text is not None and text.startswith(
+        "collective 2 of this cell (all_sum shape=(4,) dtype=float32) ran on rank 0 together "
+        "with collective 1 of rank 1. The ranks issued the same collectives but ran them in "
+        "different orders")
+    msg = tag("recv", 1, peer=0).problem([1, 0], 1, issued=2)
+    text = first_order_problem({1: [msg]})
+    assert text is not None and text.startswith(
         "message 1 from rank 0 to rank 1 (recv shape=(4,) dtype=float32) read rank 0's "
-        "message 2")
+        "message 2. ")
     assert first_order_problem({}) is None
+
+
+def test_collectives_run_at_a_cells_end_are_blamed_on_that_end_not_on_mx_eval() -> None:
+    """A rank that raised before evaluating two collectives has them run in issue order
+    when its cell ends; its peer's mx.eval(a, b) ran b first."""
+    t0 = tag("all_sum", 1).problem([1, 1, 0, 0], 0, issued=2)
+    t1 = tag("all_sum", 1).problem([1, 1, 0, 0], 1, issued=2, settled=True)
+    text = first_order_problem({0: [t0], 1: [t1]})
+    assert text is not None and "Rank 1 had not evaluated them when its cell ended" in text
+    assert "the values those ranks computed from them are wrong" in text
+    assert "mx.eval(loss, grads)" not in text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "uint64"])
+def test_a_tag_is_read_from_the_outputs_buffer(dtype: str) -> None:
+    import mlx.core as mx
+
+    rec = CollectiveRecord(1, "all_sum", (3,), dtype, None, 0, 1, 1, False, 1, "")
+    full = mx.array([7, 7, 7, 2, 2, 0, 0], dtype=getattr(mx, dtype))  # 2 ranks, digits [1, 0]
+    t = order.Tag(rec, full, [1, 0], 10, 2)
+    assert t.values() == [2, 2, 0, 0] and t.problem(t.values(), 0, issued=1) is None
+    gather = CollectiveRecord(2, "all_gather", (2,), dtype, None, 0, 1, 2, False, 2, "")
+    rows = mx.array([9, 9, 1, 8, 8, 3], dtype=getattr(mx, dtype))  # each rank's row, its tag
+    assert order.Tag(gather, rows, [1], 10, 2).values() == [1, 3]

@@ -3,24 +3,29 @@
 MLX *issues* a collective when its array is created and *runs* it when the array is
 evaluated, and the ranks' collectives pair in the order they run. Ranks that issue
 the same collectives but evaluate them in another order (``mx.eval(b); mx.eval(a)``
-on one rank, ``a.item()`` on rank 0 between two) pair one rank's n-th collective with
-another's m-th: with equal sizes MLX returns wrong values, silently.
+on one rank, ``a.item()`` on rank 0 between two, ``mx.eval(y, z)`` of two receives,
+which may run ``z`` first) pair one rank's n-th collective with another's m-th: with
+equal sizes MLX returns wrong values, silently.
 
 So a collective carries a *tag* after the user's data, made from its position in the
 cell (``CollectiveRecord.group_index``, the same on every rank for the same
-collective): ``all_sum`` adds ``a`` and ``a*a`` (their sums are ``size*a`` and
-``size*a*a`` only when every rank's ``a`` is the same), ``all_max`` / ``all_min`` add
-``a`` and ``m+1-a``, ``all_gather`` and a message add ``a``. When the collective has
+collective), written as digits small enough for the dtype to hold exactly (:func:`width`):
+``all_sum`` adds each digit ``d`` and ``d*d`` (their sums are ``size*d`` and
+``size*d*d`` only when every rank's ``d`` is the same), ``all_max`` / ``all_min`` add
+``d`` and ``base-1-d``, ``all_gather`` and a message add ``d``. When the collective has
 run, the rank reads its tag back (:meth:`Tag.problem`). The user's array is the rest
-of the output, with the input's shape and dtype.
+of the output, with the input's shape and dtype; the data and the tag are contiguous,
+so the bytes on the wire do not depend on how either side laid them out.
 
-Positions are counted modulo what the dtype holds exactly (:func:`modulus`), so a
-collective that meets another a multiple of that apart is not caught (a bfloat16
-``all_sum`` on 2 ranks: 11 apart; float32: 2896). Tagged only: collectives over the
-whole group, run (a collective traced in ``mx.compile`` is not tagged: its output is
-a tracer), of a dtype that holds small integers exactly, under
-``config.ORDER_TAG_MAX_BYTES`` (the tag copies the input). The rule is a function of
-op, dtype, group size and bytes alone (and, for a drain, of the record: see
+Positions are told apart modulo :data:`SPAN` or more: two collectives that far apart
+look alike. Tagged: collectives over the whole group under
+``config.ORDER_TAG_MAX_BYTES`` (the tag copies the input), of a dtype that holds
+small integers exactly, and, for group collectives, run rather than traced in
+``mx.compile`` (every rank runs the same code there; a traced tag could not be read).
+A message is tagged wherever it is issued, traced or not, because its sender and its
+receiver run different code: whether a message carries a tag must follow from its
+dtype and size alone, or one side would read the other's tag as data. The rule is a
+function of op, dtype, group size and bytes (and, for a drain, of the record: see
 ``tracker._replay``), so a drain's replay carries a tag of the same size as the
 collective it releases.
 """
@@ -33,38 +38,67 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import ORDER_TAG_MAX_BYTES as MAX_BYTES
+from ..mismatch import P2P
 from ..results import CollectiveRecord
 
-#: the largest position modulus, whatever the dtype holds
-_CAP = 1 << 20
-#: the largest integer each dtype holds exactly (and its neighbours)
+#: positions told apart: a collective is mistaken only for one SPAN or more away
+SPAN = 1 << 15
+#: the largest integer each dtype holds exactly
 _EXACT = {
     "float16": 1 << 11, "bfloat16": 1 << 8, "float32": 1 << 24, "float64": 1 << 53,
     "int8": (1 << 7) - 1, "uint8": (1 << 8) - 1, "int16": (1 << 15) - 1,
     "uint16": (1 << 16) - 1, "int32": (1 << 31) - 1, "uint32": (1 << 32) - 1,
     "int64": 1 << 62, "uint64": 1 << 62,
 }
-#: values in each op's tag
-_TAG_LEN = {"all_sum": 2, "all_max": 2, "all_min": 2, "all_gather": 1, "send": 1,
-            "recv": 1, "recv_like": 1}
+#: the position of a message sent from a traced function (see :func:`digits`)
+WILDCARD = 0
+#: how numpy reads each dtype's bytes (bfloat16: see Tag.values)
+_NUMPY = {"bfloat16": "uint16"}
+_SUMS = ("all_sum",)
+_PAIRED = ("all_sum", "all_max", "all_min")  # two values a digit
+_OPS = (*_PAIRED, "all_gather", "send", "recv", "recv_like")
+
+Plan = tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[Any, Any]]]
 
 
-def modulus(op: str, dtype: str, size: int, nbytes: int) -> int:
-    """Positions are tagged modulo this; 0: the collective is not tagged."""
-    if op not in _TAG_LEN or nbytes >= MAX_BYTES or size < 2:
-        return 0
+def width(op: str, dtype: str, size: int, nbytes: int) -> tuple[int, int]:
+    """The digits' base and how many a tag of ``op`` has; ``(0, 0)``: not tagged."""
+    if op not in _OPS or nbytes >= MAX_BYTES or size < 2:
+        return 0, 0
     exact = _EXACT.get(dtype, 0)
-    # a sum holds size * a * a; the others hold a and m + 1 - a as they are
-    m = math.isqrt(exact // size) if op == "all_sum" else exact - 1
-    m = min(_CAP, m)
-    return m if m >= 2 else 0
+    # digits 0..base-1: a sum holds size * d * d, the others d and base - 1 - d; a
+    # message's digit base - 1 is WILDCARD's (its positions count in base - 1)
+    base = min(SPAN, (math.isqrt(exact // size) if op in _SUMS else exact) + 1)
+    if op in P2P:
+        base -= 1
+    if base < 2:
+        return 0, 0
+    n = 1
+    while base**n < SPAN:
+        n += 1
+    return base, n
 
 
-def position(index: int, m: int) -> int:
-    """What a collective at ``index`` carries: 1..m."""
-    return (index - 1) % m + 1
+def digits(index: int, base: int, n: int) -> list[int]:
+    """The digits of position ``index`` (1-based), least significant first; of a
+    message sent from a function ``mx.compile`` traces (``index`` :data:`WILDCARD`),
+    digits the receiver takes as any position: its trace runs again, unseen, with
+    the digits of the first call."""
+    if index == WILDCARD:
+        return [base] * n
+    p = (index - 1) % base**n
+    return [(p // base**j) % base for j in range(n)]
+
+
+def _values(op: str, ds: list[int], base: int) -> list[int]:
+    if op in _SUMS:
+        return [v for d in ds for v in (d, d * d)]
+    if op in _PAIRED:
+        return [v for d in ds for v in (d, base - 1 - d)]
+    return list(ds)
 
 
 @dataclass
@@ -72,87 +106,118 @@ class Tag:
     """The tag of one run collective, read back when it has run."""
 
     rec: CollectiveRecord
-    #: the tag's values in the collective's output (lazy: a slice of it)
-    tail: Any
-    #: the position tagged (1..m) and its modulus
-    a: int
-    m: int
+    #: the collective's whole output: the user's data, then the tag (per rank, for a
+    #: gather); read through its buffer, not sliced in MLX (a node costs ~20 us)
+    full: Any
+    digits: list[int]
+    base: int
     size: int
 
-    def expected(self) -> list[int]:
-        a, m, n = self.a, self.m, self.size
-        if self.rec.op == "all_sum":
-            return [n * a, n * a * a]
-        if self.rec.op in ("all_max", "all_min"):
-            return [a, m + 1 - a]
-        if self.rec.op == "all_gather":
-            return [a] * n
-        return [a]
+    def values(self) -> list[float]:
+        """The tag's values in :attr:`full` (evaluated: waits for it)."""
+        t = len(_values(self.rec.op, self.digits, self.base))
+        name = self.rec.dtype
+        raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
+        tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
+        if name == "bfloat16":  # numpy has none: its bits are a float32's upper half
+            tail = (tail.astype(np.uint32) << 16).view(np.float32)
+        return tail.ravel().tolist()
 
-    def problem(self, got: list[float], rank: int, issued: int) -> dict[str, Any] | None:
-        """``got``: the tail's values; ``issued``: how many collectives of its kind
+    def expected(self) -> list[int]:
+        own = _values(self.rec.op, self.digits, self.base)
+        if self.rec.op in _SUMS:
+            return [self.size * v for v in own]
+        return own * self.size if self.rec.op == "all_gather" else own
+
+    def problem(self, got: list[float], rank: int, issued: int,
+                settled: bool = False) -> dict[str, Any] | None:
+        """``got``: the tag's values (:meth:`values`); ``issued``: how many collectives of its kind
         (group, or messages with its peer) the cell has issued, so that a partner is
-        named only when its position cannot be another modulo m. What paired
-        wrongly, or ``None``."""
-        if [float(g) for g in got] == [float(e) for e in self.expected()]:
+        named only when its position cannot be another; ``settled``: mlx_nbdist ran it
+        at the cell's end (see ``Tracker.settle``). What paired wrongly, or ``None``."""
+        expected = self.expected()
+        if [float(g) for g in got] == [float(e) for e in expected]:
             return None
-        op, rec = self.rec.op, self.rec
+        if self.rec.op in P2P and got == [self.base] * len(expected):
+            return None  # sent from a traced function: any position (see digits)
+        op, rec, n = self.rec.op, self.rec, len(self.digits)
         partners: dict[str, int | None] = {}
         if op == "all_gather":
-            partners = {str(r): self._position(g, issued) for r, g in enumerate(got)
-                        if g != self.a}
+            partners = {str(r): self._position(got[r * n:(r + 1) * n], issued)
+                        for r in range(self.size) if got[r * n:(r + 1) * n] != self.digits}
         elif op in ("recv", "recv_like"):
-            partners = {str(rec.peer): self._position(got[0], issued)}
-        elif op == "all_sum" and self.size == 2:
-            partners = {str(1 - rank): self._position(got[0] - self.a, issued)}
+            partners = {str(rec.peer): self._position(got, issued)}
+        elif op in _SUMS and self.size == 2:
+            theirs = [got[2 * j] - d for j, d in enumerate(self.digits)]
+            squares = [got[2 * j + 1] - d * d for j, d in enumerate(self.digits)]
+            ok = all(s == t * t for s, t in zip(squares, theirs, strict=True))
+            partners = {str(1 - rank): self._position(theirs, issued) if ok else None}
         return {"op": op, "shape": list(rec.shape), "dtype": rec.dtype, "n": rec.group_index,
-                "peer": rec.peer, "with": partners}
+                "peer": rec.peer, "with": partners, "settled": settled}
 
-    def _position(self, value: float, issued: int) -> int | None:
-        a = int(value)
-        if a != value or not 1 <= a <= self.m or issued > self.m:
-            return None  # a position modulo m only: could be more than one
-        return a
-
-
-def call(
-    op: str, fns: dict[str, Callable[..., Any]], args: tuple, kwargs: dict[str, Any],
-    index: int, m: int, size: int,
-) -> tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[Any, Any]]] | None:
-    """How to run collective ``op`` tagged with position ``index`` (modulo ``m``):
-    the function, its arguments, and what turns its output into the user's array
-    and the tag's values (``None`` for a send). ``None``: run it as it is."""
-    a = position(index, m)
-    if op in ("recv", "recv_like"):
-        return _recv(op, fns, args, kwargs)
-    x = args[0] if args else None
-    if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
-        return None
-    k = x.size
-    values = {"all_sum": [a, a * a], "all_max": [a, m + 1 - a], "all_min": [a, m + 1 - a]}
-    tag = mx.array(values.get(op, [a]), dtype=x.dtype)
-    tagged = (mx.concatenate([x.reshape(-1), tag]), *args[1:])
-    shape = x.shape
-
-    def split(out: Any) -> tuple[Any, Any]:
-        if op == "all_gather":
-            rows = out.reshape(size, k + 1)
-            return rows[:, :k].reshape((size * shape[0], *shape[1:])), rows[:, k]
-        return out[:k].reshape(shape), None if op == "send" else out[k:]
-
-    return fns[op], tagged, kwargs, split
+    def _position(self, ds: list[float], issued: int) -> int | None:
+        if issued > self.base ** len(self.digits):
+            return None  # known modulo the span only: could be more than one
+        if any(d != int(d) or not 0 <= d < self.base for d in ds):
+            return None  # not a tag: a collective of another size ran with it
+        return 1 + sum(int(d) * self.base**j for j, d in enumerate(ds))
 
 
-def _recv(
-    op: str, fns: dict[str, Callable[..., Any]], args: tuple, kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[Any, Any]]] | None:
-    """A receive of one value more than the user's (the sender's tag): ``recv_like``
-    runs as ``recv`` of that size."""
+def call(op: str, fns: dict[str, Callable[..., Any]], args: tuple, kwargs: dict[str, Any],
+         index: int, base: int, n: int, size: int) -> tuple[Plan, list[int]] | None:
+    """How to run collective ``op`` tagged with position ``index``: the function, its
+    arguments, and what turns its output into the user's array and the output to
+    read the tag from (``None`` for a send); and the position's digits. ``None``: run
+    it as it is."""
+    ds = digits(index, base, n)
     rest = dict(kwargs)
+    if op in ("recv", "recv_like"):
+        plan = _recv(op, fns, args, rest, len(ds))
+        return None if plan is None else (plan, ds)
+    x = args[0] if args else rest.pop("x", None)
+    if x is None:
+        return None
+    x = x if isinstance(x, mx.array) else mx.array(x)
+    if op == "all_gather" and x.ndim == 0:
+        return None
+    values: Any = _values(op, ds, base)
+    others = args[1:] if args else ()
+    if op == "send" and not others:
+        others = (rest.pop("dst"),)
+    shape, k, t = x.shape, x.size, len(values)
+    # Every node costs a rank a few microseconds to schedule (tens on busy cores): a
+    # decode step issues small collectives by the dozen. Hence no reshape where none
+    # is needed, and the tag made in its final shape.
+    if op != "all_gather" and x.ndim and math.prod(shape[:-1]) == 1:
+        # one row (a decoded token's activations): the tag goes after it
+        for _ in range(x.ndim - 1):
+            values = [values]
+        tagged = mx.concatenate([x, mx.array(values, dtype=x.dtype)], axis=-1)
+
+        def split(out: Any) -> tuple[Any, Any]:
+            return out[..., :k], None if op == "send" else out
+
+        return (fns[op], (tagged, *others), rest, split), ds
+    tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
+
+    def split_flat(out: Any) -> tuple[Any, Any]:
+        if op == "all_gather":
+            rows = out.reshape(size, k + t)
+            return rows[:, :k].reshape((size * shape[0], *shape[1:])), out
+        return out[:k].reshape(shape), None if op == "send" else out
+
+    return (fns[op], (tagged, *others), rest, split_flat), ds
+
+
+def _recv(op: str, fns: dict[str, Callable[..., Any]], args: tuple, rest: dict[str, Any],
+          t: int) -> Plan | None:
+    """A receive of ``t`` values more than the user's (the sender's tag): ``recv_like``
+    runs as ``recv`` of that size."""
+    if "recv" not in fns:
+        return None
     if op == "recv_like":
-        x = args[0] if args else rest.pop("x", None)
-        if not isinstance(x, mx.array) or "recv" not in fns:
-            return None
+        x = args[0] if args else rest.pop("x")
+        x = x if isinstance(x, mx.array) else mx.array(x)
         shape, dtype = x.shape, x.dtype
         src = args[1] if len(args) > 1 else rest.pop("src")
     else:
@@ -160,8 +225,13 @@ def _recv(
         dtype = args[1] if len(args) > 1 else rest.pop("dtype")
         src = args[2] if len(args) > 2 else rest.pop("src")
     k = math.prod(shape)
+    if shape and math.prod(shape[:-1]) == 1:  # one row: received as one row, longer
+        def split(out: Any) -> tuple[Any, Any]:
+            return out[..., :k], out
 
-    def split(out: Any) -> tuple[Any, Any]:
-        return out[:k].reshape(shape), out[k:]
+        return fns["recv"], ((*shape[:-1], k + t), dtype, src), rest, split
 
-    return fns["recv"], ((k + 1,), dtype, src), rest, split
+    def split_flat(out: Any) -> tuple[Any, Any]:
+        return out[:k].reshape(shape), out
+
+    return fns["recv"], ((k + t,), dtype, src), rest, split_flat

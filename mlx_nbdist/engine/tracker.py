@@ -7,6 +7,9 @@ through it. Each wrapper:
 * records ``(seq, op, shape, dtype, peer, nbytes)`` so the notebook can say which
   collective a stuck rank is waiting in, and can release it by replaying the same
   collective on the ranks that skipped it (see :func:`drain`);
+* appends a tag of its position in the cell to its data, read back once it has run,
+  so that ranks that ran their collectives in different orders fail the cell instead
+  of returning wrong numbers (see :mod:`.order`);
 * refuses a collective over the whole group from a cell that runs on a subset of
   ranks (it would wait forever for the ranks that are not running);
 * optionally (``check`` mode) compares op, shape and dtype across ranks before the
@@ -255,23 +258,25 @@ class Tracker:
                 done.append(rec)
         finally:
             self.settling = []
-        self._read_tags([t for rec, _, t in held if t is not None and rec.seq not in failed])
+        self._read_tags([t for rec, _, t in held if t is not None and rec.seq not in failed],
+                        frozenset(rec.seq for rec in done))
         return done
 
-    def _read_tags(self, tags: list[order.Tag]) -> None:
-        """Read the tags of collectives that have run; note those that ran with
-        another collective (the first few: the ledger names the first)."""
+    def _read_tags(self, tags: list[order.Tag], settled: frozenset[int] = frozenset()
+                   ) -> None:
+        """Read the tags of collectives that have run (``settled``: the seqs of those
+        :meth:`settle` ran); note those that ran with another collective (the first
+        few: the ledger names the first)."""
         if not tags or len(self._order) >= 4:
             return
         try:
-            mx.eval(*[t.tail for t in tags])
-            values = [t.tail.tolist() for t in tags]
+            values = [t.values() for t in tags]
         except Exception:  # noqa: BLE001 - a peer gone mid-collective: the cell says so
             return
         for t, got in zip(tags, values, strict=True):
             peer = t.rec.peer
             issued = self._collectives if peer is None else len(self._recvd.get(int(peer), []))
-            found = t.problem(got, self.rank, issued)
+            found = t.problem(got, self.rank, issued, t.rec.seq in settled)
             if found is not None and len(self._order) < 4:
                 self._order.append(found)
 
@@ -380,19 +385,20 @@ class Tracker:
             traced = tracker.tracing()
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             # tagged with its position, to prove the ranks ran it together (see .order)
-            m = 0 if traced or not world else order.modulus(op, dtype, tracker.size, nbytes)
-            plan = m and order.call(op, tracker._orig, args, kwargs, rec.group_index, m,
-                                    tracker.size)
-            run, a, kw = plan[:3] if plan else (fn, args, kwargs)
+            base, n = (0, 0) if not world or (traced and op not in P2P) else order.width(
+                op, dtype, tracker.size, nbytes)
+            index = order.WILDCARD if traced else rec.group_index
+            found = base and order.call(op, tracker._orig, args, kwargs, index, base, n,
+                                        tracker.size)
+            run, a, kw, split = found[0] if found else (fn, args, kwargs, None)
             recorder = tracker.recorder
             # a profiled cell: evaluate the inputs, then this collective, timed
             out = run(*a, **kw) if recorder is None else recorder.timed(rec, run, a, kw, world)
             tag = None
-            if plan:
-                out, tail = plan[3](out)
-                if tail is not None and not tracker._replaying:
-                    pos = order.position(rec.group_index, m)
-                    tag = order.Tag(rec, tail, pos, m, tracker.size)
+            if found:
+                out, full = split(out)
+                if full is not None and not tracker._replaying and not traced:
+                    tag = order.Tag(rec, full, found[1], base, tracker.size)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
                 tracker._hold(rec, out, tag)
             return out
