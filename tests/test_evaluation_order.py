@@ -181,3 +181,48 @@ def test_collectives_a_failed_rank_left_are_not_blamed_on_the_others_order(
     else:
         assert info.value.result.ranks[0].stdout.strip() == "[3.0, 3.0, 3.0] [30.0, 30.0, 30.0]"
     assert session2.state == "ready"
+
+
+def test_numpy_float64_data_is_described_and_tagged_as_the_float32_mlx_sends(
+        session2: Session) -> None:
+    """MLX sends numpy float64 data as float32: the record said float64, so the tag was
+    read with the wrong width (a false alarm on right values, or, for an odd size, no
+    check at all for the whole cell), and a message's bytes were counted twice over."""
+    r = session2.run(
+        "import numpy as np\n"
+        "s = mx.distributed.all_sum(np.ones(4) * (rank + 1), group=world)\n"
+        "if rank == 0:\n"
+        "    mx.eval(mx.distributed.send(np.array([1.0, 2.0, 3.0]), 1, group=world))\n"
+        "else:\n"
+        "    print(mx.distributed.recv((3,), mx.float32, 0, group=world).tolist())\n"
+        "print(s.tolist())")
+    assert r.stdout(1).split("\n")[0] == "[1.0, 2.0, 3.0]", r.stdout(1)
+    assert r.stdout(0).strip() == "[3.0, 3.0, 3.0, 3.0]", r.stdout(0)
+    with pytest.raises(CellError) as info:  # a swap beside one: still caught
+        session2.run("c = mx.distributed.all_sum(np.ones(3), group=world)\n"
+                     + SWAP.format(shape=(3,), dtype="float32"))
+    assert "collective 2 of this cell (all_sum shape=(3,) dtype=float32) ran on rank 0 " \
+        "together with collective 3 of rank 1" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("compiled_side", [0, 1])
+def test_a_compiled_message_function_called_again_counts_every_message(
+        session2: Session, compiled_side: int) -> None:
+    """A call that hits mx.compile's cache runs no Python: its messages were not counted,
+    so the other rank's looked like extra ones (and, for a compiled receive, the
+    session broke trying to drop messages already received)."""
+    send = "mx.distributed.send(mx.array([1.0, 2.0, 3.0]) + 10 * i, 1, group=world)"
+    recv = "mx.distributed.recv_like(mx.zeros(3), 0, group=world) * 1"
+    if compiled_side == 0:
+        setup = f"f = mx.compile(lambda i: {send})\n"
+        send = "f(mx.array(i))"
+    else:
+        setup = f"g = mx.compile(lambda: {recv})\n"
+        recv = "g()"
+    r = session2.run(
+        setup + "for i in range(3):\n"
+        f"    if rank == 0:\n        mx.eval({send})\n"
+        f"    else:\n        print(({recv}).tolist())")
+    assert r.stdout(1).split("\n")[:3] == [
+        "[1.0, 2.0, 3.0]", "[11.0, 12.0, 13.0]", "[21.0, 22.0, 23.0]"], r.stdout(1)
+    assert session2.state == "ready"

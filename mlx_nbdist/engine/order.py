@@ -43,6 +43,7 @@ import numpy as np
 from ..config import ORDER_TAG_MAX_BYTES as MAX_BYTES
 from ..mismatch import P2P
 from ..results import CollectiveRecord
+from . import dtypes
 
 #: positions told apart: a collective is mistaken only for one SPAN or more away
 SPAN = 1 << 15
@@ -116,7 +117,7 @@ class Tag:
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it)."""
         t = len(_values(self.rec.op, self.digits, self.base))
-        name = self.rec.dtype
+        name = dtypes.dtype_name(self.full.dtype)
         raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
         tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
         if name == "bfloat16":  # numpy has none: its bits are a float32's upper half

@@ -32,7 +32,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -60,8 +60,12 @@ class _Trace:
     """One call of a transformed function on this thread (see Tracker.tracing)."""
 
     name: str
-    key: str = ""  # set at its first collective: it traced
+    key: str = ""  # set at its first group collective: it traced
     count: int = 0
+    #: whether it recorded anything (a call that hits the compiled cache records nothing)
+    recorded: bool = False
+    #: the messages it issued: ``(op, shape, dtype, peer, nbytes)``
+    messages: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 class CollectiveError(RuntimeError):
@@ -161,15 +165,19 @@ class Tracker:
         def wrapped(fun: Any, *args: Any, **kwargs: Any) -> Any:
             inner = transform(fun, *args, **kwargs)
             name = label + str(getattr(fun, "__qualname__", None) or type(fun).__name__)
+            #: by input signature, the messages its trace issued (see _after_call)
+            traced_messages: dict[Any, list[tuple[Any, ...]]] = {}
 
             @functools.wraps(fun)
             def call(*a: Any, **k: Any) -> Any:
                 calls = local.__dict__.setdefault("calls", [])
-                calls.append(_Trace(name))
+                trace = _Trace(name)
+                calls.append(trace)
                 try:
                     return inner(*a, **k)
                 finally:
                     calls.pop()
+                    self._after_call(trace, traced_messages, (a, k))
 
             return call
 
@@ -177,6 +185,25 @@ class Tracker:
         wrapped.__doc__ = transform.__doc__
         wrapped.__wrapped__ = transform  # type: ignore[attr-defined]
         return wrapped
+
+    def _after_call(self, trace: _Trace, messages: dict[Any, list[tuple[Any, ...]]],
+                    inputs: Any) -> None:
+        """After a call of a transformed function: remember, by its inputs' shapes and
+        dtypes, the messages its trace sent and received. A call that recorded
+        nothing hit the compiled cache (or issues nothing), so no Python of ours ran:
+        its trace's messages are recorded again, or a peer's count of them would not
+        match this rank's (a correct program reported as messages never received)."""
+        if not trace.recorded and not messages:
+            return  # it never traced a message (mlx-lm's compiled activations): no cost
+        try:
+            key = _input_key(inputs)
+        except Exception:  # noqa: BLE001 - inputs we cannot describe: counts as before
+            return
+        if trace.recorded:
+            messages[key] = trace.messages
+            return
+        for op, shape, dtype, peer, nbytes in messages.get(key, ()):
+            self._record(op, shape, dtype, peer, nbytes, world=True)
 
     def original(self, op: str) -> Any:
         return self._orig.get(op) or getattr(mx.distributed, op)
@@ -267,13 +294,13 @@ class Tracker:
         """Read the tags of collectives that have run (``settled``: the seqs of those
         :meth:`settle` ran); note those that ran with another collective (the first
         few: the ledger names the first)."""
-        if not tags or len(self._order) >= 4:
-            return
-        try:
-            values = [t.values() for t in tags]
-        except Exception:  # noqa: BLE001 - a peer gone mid-collective: the cell says so
-            return
-        for t, got in zip(tags, values, strict=True):
+        for t in tags:
+            if len(self._order) >= 4:
+                return
+            try:
+                got = t.values()
+            except Exception:  # noqa: BLE001 - a peer gone mid-collective: the cell says so
+                continue
             peer = t.rec.peer
             issued = self._collectives if peer is None else len(self._recvd.get(int(peer), []))
             found = t.problem(got, self.rank, issued, t.rec.seq in settled)
@@ -293,6 +320,11 @@ class Tracker:
         check: bool = False,
         traced: bool = False,
     ) -> CollectiveRecord:
+        if traced:
+            call = self._transforms.calls[-1]
+            call.recorded = True
+            if world and op in P2P:
+                call.messages.append((op, shape, dtype, peer, nbytes))
         with self._lock:
             self.seq += 1
             self.cell_count += 1
@@ -372,7 +404,9 @@ class Tracker:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # IPython: show the user's line, not ours
             group = kwargs.get("group") or tracker.world
-            x = args[0] if args else None
+            # what MLX sends: numpy float64 data goes as float32, so say so (and tag it so)
+            args, kwargs = _as_arrays(op, args, kwargs)
+            x = args[0] if args else kwargs.get("x")
             shape, dtype, peer = _describe(op, args, kwargs)
             if not tracker._replaying and group.size() > 1:
                 problem = tracker._subset_problem(op, group)
@@ -496,6 +530,29 @@ def _signature_bytes(op: str, shape: tuple[int, ...], dtype: str, check: bool) -
             _SIGNATURES.clear()
         sig = _SIGNATURES[key] = f"{op}{tuple(shape)}{dtype}{check};".encode()
     return sig
+
+
+def _as_arrays(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the data (``x``) an ``mx.array``, as MLX makes it."""
+    if op == "recv":
+        return args, kwargs
+    if args and args[0] is not None and not isinstance(args[0], mx.array):
+        return (mx.array(args[0]), *args[1:]), kwargs
+    if kwargs.get("x") is not None and not isinstance(kwargs["x"], mx.array):
+        return args, {**kwargs, "x": mx.array(kwargs["x"])}
+    return args, kwargs
+
+
+def _input_key(tree: Any) -> Any:
+    """What a compiled function's cache tells calls apart by, as far as we can see:
+    the shapes and dtypes of its array inputs, the other inputs' values."""
+    if isinstance(tree, mx.array):
+        return ("a", tuple(tree.shape), str(tree.dtype))
+    if isinstance(tree, list | tuple):
+        return (type(tree).__name__, tuple(_input_key(t) for t in tree))
+    if isinstance(tree, dict):
+        return ("d", tuple((str(k), _input_key(v)) for k, v in tree.items()))
+    return ("c", type(tree).__name__, repr(tree)[:200])
 
 
 def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str, int | None]:
