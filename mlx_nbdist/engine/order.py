@@ -62,6 +62,10 @@ _SUMS = ("all_sum",)
 _PAIRED = ("all_sum", "all_max", "all_min")  # two values a digit
 _OPS = (*_PAIRED, "all_gather", "send", "recv", "recv_like")
 
+#: the arguments the tracker reads itself (see :func:`call`): the rest are MLX's
+#: keywords (``group``, ``stream``)
+_READ = ("x", "shape", "dtype", "src", "dst")
+
 Plan = tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[Any, Any]]]
 
 
@@ -164,75 +168,54 @@ class Tag:
         return 1 + sum(int(d) * self.base**j for j, d in enumerate(ds))
 
 
-def call(op: str, fns: dict[str, Callable[..., Any]], args: tuple, kwargs: dict[str, Any],
-         index: int, base: int, n: int, size: int) -> tuple[Plan, list[int]] | None:
+def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, ...],
+         dtype: str, peer: int | None, kwargs: dict[str, Any], index: int, base: int, n: int,
+         size: int) -> tuple[Plan, list[int]] | None:
     """How to run collective ``op`` tagged with position ``index``: the function, its
     arguments, and what turns its output into the user's array and the output to
-    read the tag from (``None`` for a send); and the position's digits. ``None``: run
-    it as it is."""
+    read the tag from (``None`` for a send); and the position's digits. ``x``,
+    ``shape``, ``dtype`` and ``peer`` are what the tracker read of the call (``x``:
+    the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
     ds = digits(index, base, n)
-    rest = dict(kwargs)
-    if op in ("recv", "recv_like"):
-        plan = _recv(op, fns, args, rest, len(ds))
-        return None if plan is None else (plan, ds)
-    x = args[0] if args else rest.pop("x", None)
-    if x is None:
-        return None
-    x = x if isinstance(x, mx.array) else mx.array(x)
-    if op == "all_gather" and x.ndim == 0:
-        return None
     values: Any = _values(op, ds, base)
-    others = args[1:] if args else ()
-    if op == "send" and not others:
-        others = (rest.pop("dst"),)
-    shape, k, t = x.shape, x.size, len(values)
+    rest = {key: v for key, v in kwargs.items() if key not in _READ}
+    k, t = math.prod(shape), len(values)
     # Every node costs a rank a few microseconds to schedule (tens on busy cores): a
-    # decode step issues small collectives by the dozen. Hence no reshape where none
-    # is needed, and the tag made in its final shape.
-    if op != "all_gather" and x.ndim and math.prod(shape[:-1]) == 1:
-        # one row (a decoded token's activations): the tag goes after it
+    # decode step issues small collectives by the dozen. Hence one row (a decoded
+    # token's activations) takes its tag after it, with no reshape, and the tag is
+    # made in its final shape.
+    row = bool(shape) and op != "all_gather" and math.prod(shape[:-1]) == 1
+    if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
+        if "recv" not in fns:
+            return None
+        wire = (*shape[:-1], k + t) if row else (k + t,)
+        return (fns["recv"], (wire, getattr(mx, dtype), peer), rest,
+                _split(shape, k, row, keep=True)), ds
+    if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
+        return None
+    if row:
         for _ in range(x.ndim - 1):
             values = [values]
         tagged = mx.concatenate([x, mx.array(values, dtype=x.dtype)], axis=-1)
-
-        def split(out: Any) -> tuple[Any, Any]:
-            return out[..., :k], None if op == "send" else out
-
-        return (fns[op], (tagged, *others), rest, split), ds
-    tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
-
-    def split_flat(out: Any) -> tuple[Any, Any]:
-        if op == "all_gather":
-            rows = out.reshape(size, k + t)
-            return rows[:, :k].reshape((size * shape[0], *shape[1:])), out
-        return out[:k].reshape(shape), None if op == "send" else out
-
-    return (fns[op], (tagged, *others), rest, split_flat), ds
-
-
-def _recv(op: str, fns: dict[str, Callable[..., Any]], args: tuple, rest: dict[str, Any],
-          t: int) -> Plan | None:
-    """A receive of ``t`` values more than the user's (the sender's tag): ``recv_like``
-    runs as ``recv`` of that size."""
-    if "recv" not in fns:
-        return None
-    if op == "recv_like":
-        x = args[0] if args else rest.pop("x")
-        x = x if isinstance(x, mx.array) else mx.array(x)
-        shape, dtype = x.shape, x.dtype
-        src = args[1] if len(args) > 1 else rest.pop("src")
     else:
-        shape = tuple(args[0] if args else rest.pop("shape"))
-        dtype = args[1] if len(args) > 1 else rest.pop("dtype")
-        src = args[2] if len(args) > 2 else rest.pop("src")
-    k = math.prod(shape)
-    if shape and math.prod(shape[:-1]) == 1:  # one row: received as one row, longer
-        def split(out: Any) -> tuple[Any, Any]:
-            return out[..., :k], out
+        tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
+    if op == "all_gather":  # each rank's row: its data, then its tag
 
-        return fns["recv"], ((*shape[:-1], k + t), dtype, src), rest, split
+        def rows(out: Any) -> tuple[Any, Any]:
+            by_rank = out.reshape(size, k + t)
+            return by_rank[:, :k].reshape((size * shape[0], *shape[1:])), out
 
-    def split_flat(out: Any) -> tuple[Any, Any]:
-        return out[:k].reshape(shape), out
+        return (fns[op], (tagged,), rest, rows), ds
+    others = (peer,) if op == "send" else ()
+    return (fns[op], (tagged, *others), rest, _split(shape, k, row, keep=op != "send")), ds
 
-    return fns["recv"], ((k + t,), dtype, src), rest, split_flat
+
+def _split(shape: tuple[int, ...], k: int, row: bool, keep: bool
+           ) -> Callable[[Any], tuple[Any, Any]]:
+    """What turns a tagged output back into the user's array of ``shape`` (its first
+    ``k`` values), with the whole output to read the tag from (``keep``)."""
+
+    def split(out: Any) -> tuple[Any, Any]:
+        return (out[..., :k] if row else out[:k].reshape(shape)), (out if keep else None)
+
+    return split

@@ -304,7 +304,7 @@ class Tracker:
             peer = t.rec.peer
             issued = self._collectives if peer is None else len(self._recvd.get(int(peer), []))
             found = t.problem(got, self.rank, issued, t.rec.seq in settled)
-            if found is not None and len(self._order) < 4:
+            if found is not None:
                 self._order.append(found)
 
     # -- the wrapper --------------------------------------------------------------
@@ -422,8 +422,8 @@ class Tracker:
             base, n = (0, 0) if not world or (traced and op not in P2P) else order.width(
                 op, dtype, tracker.size, nbytes)
             index = order.WILDCARD if traced else rec.group_index
-            found = base and order.call(op, tracker._orig, args, kwargs, index, base, n,
-                                        tracker.size)
+            found = base and order.call(op, tracker._orig, x, shape, dtype, peer, kwargs,
+                                        index, base, n, tracker.size)
             run, a, kw, split = found[0] if found else (fn, args, kwargs, None)
             recorder = tracker.recorder
             # a profiled cell: evaluate the inputs, then this collective, timed
