@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the names below are; imported on first use
     from .history import ExportError
     from .results import CellResult, RankOutput
     from .session import Session
+    from .session.standby import prewarm
     from .viz.dashboard import dashboard
 
 __version__ = "0.1.0"
@@ -66,6 +67,7 @@ __all__ = [
     "read_index",
     "save",
     "plan",
+    "prewarm",
     "shard",
     "show",
     "slices",
@@ -108,6 +110,7 @@ _WHERE = {
     "ExportError": "history",
     **dict.fromkeys(["CellResult", "RankOutput"], "results"),
     "Session": "session",
+    "prewarm": "session.standby",
     "dashboard": "viz.dashboard",
 }
 _RENAMED = {"load_checkpoint": ("client.checkpoint", "load")}
@@ -135,16 +138,48 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext mlx_nbdist``: register the magics and make them configurable."""
+    """``%load_ext mlx_nbdist``: register the magics and make them configurable, and
+    start the engines of a plain ``%mlxdist start`` ahead, in the background (see
+    :mod:`mlx_nbdist.session.standby`; off with ``c.MLXDist.prewarm = False``)."""
+    import warnings
+
+    from . import config
+    from .api import current_session
+    from .errors import SetupError
+
+    magics = register_magics(ipython)
+    if (
+        magics.prewarm
+        and magics.launcher in ("", "local")
+        and current_session(required=False) is None
+    ):
+        from .session import standby
+
+        try:
+            standby.prewarm(int(magics.n), magics.backend or config.BACKEND)
+        except SetupError:  # a bad default (backend, ranks): %mlxdist start will say so
+            pass
+        except Exception as e:  # noqa: BLE001 - loading the magics must not fail for it
+            warnings.warn(f"mlx_nbdist: no engines started ahead ({e})", stacklevel=2)
+
+
+def register_magics(ipython: Any) -> Any:
+    """Register the ``%mlxdist`` magics in ``ipython``; the :class:`~.magics.MLXDist`
+    instance (configurable as ``MLXDist``)."""
     from .magics import MLXDist
 
     magics = MLXDist(shell=ipython)
     ipython.register_magics(magics)
     if magics not in ipython.configurables:
         ipython.configurables.append(magics)
+    return magics
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     from .api import stop
+    from .session import standby
 
-    stop()
+    try:
+        stop()
+    finally:
+        standby.discard()

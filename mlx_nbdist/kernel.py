@@ -52,11 +52,13 @@ class MLXDistKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        from . import api, autopx, load_ipython_extension, magics
+        from . import api, autopx, register_magics
         from .session import Session
 
-        load_ipython_extension(self.shell)
-        mag = next(m for m in self.shell.configurables if isinstance(m, magics.MLXDist))
+        # not load_ipython_extension: this kernel starts its own session at once, for
+        # its own number of ranks (engines started ahead would only compete with it)
+        mag = register_magics(self.shell)
+        self.shell.extension_manager.loaded.add("mlx_nbdist")  # a %load_ext cell: a no-op
         mag.n, mag.backend, mag.launcher = self.n, self.backend, self.launcher
         mag.timeout = self.timeout
         self.mlx_session = Session(

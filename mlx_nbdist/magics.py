@@ -238,6 +238,12 @@ class MLXDist(Magics):
         help="keep a spare set of engines warm so that %mlxdist restart only forms a group "
         "(local engines only)",
     ).tag(config=True)
+    prewarm = Bool(
+        True,
+        help="when the extension loads, start the engines of a plain %mlxdist start "
+        "(n ranks, the default backend, local) in the background, so that the start "
+        "only forms the group (also off with MLX_NBDIST_PREWARM=0)",
+    ).tag(config=True)
     policy = Dict(
         help="supervisor timings in seconds, e.g. {'drain_timeout': 5} (see "
         "mlx_nbdist.config.Policy)"

@@ -14,6 +14,10 @@ import pytest
 from mlx_nbdist import Session
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# no engines started ahead at %load_ext in this process (tests load the extension into
+# one shell and start sessions of every kind): tests/test_standby.py turns it on, and
+# the tutorial notebooks' kernels run with it, as a user's do
+os.environ.setdefault("MLX_NBDIST_PREWARM", "0")
 #: marks the processes this test run starts (they inherit the environment), so that the
 #: leak checks judge only them, not another test run on the same machine
 RUN_MARK = "MLX_NBDIST_TEST_RUN"
@@ -78,6 +82,23 @@ def session_ports(s: Session) -> set[int]:
         except psutil.Error:
             pass
     return out
+
+
+#: set by tests after engines were started ahead (a spare, a standby)
+NEW_SETTING = "MLXNB_TEST_SETTING"
+
+
+def started_anew(s: Session, said: list[str], what: str, old: list[int]) -> None:
+    """``s`` said that ``what`` (engines started ahead, PIDs ``old``) were not used
+    because :data:`NEW_SETTING` changed since, and its rank 0 is a new engine that sees
+    the setting's new value (``after``)."""
+    assert (
+        f"{what} are not usable (the environment ({NEW_SETTING}) changed since they "
+        "started): starting new ones" in said
+    ), said
+    assert s.ranks[0].pid not in old
+    r = s.run(f"import os\nos.environ.get({NEW_SETTING!r})")
+    assert r.ranks[0].result_text == "'after'"
 
 
 def session_pids(s: Session) -> list[int]:

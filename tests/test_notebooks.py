@@ -94,6 +94,7 @@ def _running(pid: int) -> bool:
 def _kernel_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MPLBACKEND", None)  # conftest sets Agg for the tests; the kernel draws inline
+    env["MLX_NBDIST_PREWARM"] = "1"  # conftest turns it off for the tests' own process
     return env
 
 

@@ -13,7 +13,7 @@ from mlx_nbdist import CellError, Session
 from mlx_nbdist.session import cluster as cluster_mod
 from mlx_nbdist.viz.status import format_status
 
-from .conftest import session_pids, wait_gone
+from .conftest import NEW_SETTING, session_pids, started_anew, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -163,3 +163,20 @@ def test_a_spare_engine_killed_meanwhile_gives_a_cold_restart() -> None:
         _sums_right(s)
     finally:
         s.stop()
+
+
+def test_a_spare_started_before_the_environment_changed_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = Session(1, timeout=60)
+    try:
+        s.start()
+        _wait_ready(s)
+        spare = _spare_pids(s)
+        monkeypatch.setenv(NEW_SETTING, "after")  # e.g. set in a notebook cell
+        said: list[str] = []
+        s.restart(said.append)
+        started_anew(s, said, "the spare engines", spare)
+    finally:
+        s.stop()
+    assert not wait_gone(spare), "the unused spare's processes outlived the restart"

@@ -21,12 +21,23 @@ import psutil
 from .. import config, processes, runtime, watchdog
 from ..config import Backend
 from ..engine import rpc
-from ..errors import StartError
+from ..enums import SessionState
+from ..errors import SetupError, StartError
 from ..launchers import Launcher
 from ..launchers.ssh import SSHLauncher
 from ..outcomes import short_error
 
 Progress = Callable[[str], None]
+
+
+def check_n(n: Any) -> None:
+    """A :class:`SetupError` unless ``n`` is a number of ranks one machine can run."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
+    if n > config.MAX_RANKS:
+        raise SetupError(
+            f"-n {n} is more ranks than one machine can sensibly run (max {config.MAX_RANKS})"
+        )
 
 
 class Cluster:
@@ -229,6 +240,34 @@ class Cluster:
                 if pid:
                     out.append(pid)
         return out
+
+    def write_record(
+        self,
+        *,
+        n: int,
+        backend: Backend,
+        launcher: str,
+        state: SessionState,
+        pids: list[tuple[int, float]],
+        remote: dict[int, list[Any]],
+    ) -> None:
+        """The record the watchdog and ``%mlxdist cleanup`` read: whose this cluster
+        is, its processes (``pids``) and the ranks on other machines (``remote``:
+        rank -> ``[host, pid]``, which cleanup cannot end from here)."""
+        me = psutil.Process()
+        rec = {
+            "session_id": self.session_id,
+            "client_pid": me.pid,
+            "client_started": me.create_time(),
+            "n": n,
+            "backend": str(backend),
+            "launcher": launcher,
+            "state": state,
+            "pids": pids,
+            "controller_ip": self.controller_ip,
+            "remote": remote,
+        }
+        runtime.write_record(self.directory, rec)
 
     @property
     def controller_location(self) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import math
 import os
@@ -33,21 +34,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from .. import _ipp, config, launchers, processes, runtime
 from .. import hosts as _hosts
 from ..backend_check import check_mlx
 from ..cellcheck import refuse_top_level_await
 from ..client.transfer import Receiver, discard
 from ..engine import rpc
-from ..enums import TextEnum
+from ..enums import SessionState
 from ..errors import (
     CellError,
     NotStartedError,
     PortTakenError,
     SessionBrokenError,
-    SetupError,
     StartError,
 )
 from ..history import Entry, cell_entry, render, target, write
@@ -66,22 +64,12 @@ from ..results import (
 from ..streams import CellStreams, OutputEvent
 from ..supervise import Outcome, Supervisor, failed
 from ..timelines import CellTimeline, CommStats
-from . import diagnostics, formation
-from .cluster import Cluster
+from . import diagnostics, formation, standby
+from .cluster import Cluster, check_n
 from .formation import RankPlace
 from .profile import Profiles
 from .ranks import RankGroup
-from .spare import Spare, SpareState
-
-
-class SessionState(TextEnum):
-    """The one state of a session; compares equal to its value (``"ready"``)."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    BROKEN = "broken"
-
+from .spare import Spare, SpareState, local_bring_up, spare_record
 
 STOPPED, STARTING, READY, BROKEN = (
     SessionState.STOPPED,
@@ -180,12 +168,12 @@ class Session:
         spare: bool | None = None,
     ):
         if n is not None:
-            _check_n(n)
+            check_n(n)
         self.hosts = list(hosts) if hosts is not None and not isinstance(hosts, str) else hosts
         self.hostfile = hostfile
         self.placement = _hosts.resolve(hosts=self.hosts, hostfile=hostfile, n=n)
         self.n = int(self.placement.n if self.placement else (config.N if n is None else n))
-        _check_n(self.n)
+        check_n(self.n)
         if backend is None:
             backend = (self.placement.backend_name if self.placement else "") or config.BACKEND
         self.backend = launchers.backend_of(backend)
@@ -276,9 +264,28 @@ class Session:
         """Start the controller and engines, join them in one MLX group, and check it.
 
         On a session already started this does nothing (a broken one stays broken:
-        :meth:`restart` replaces it).
+        :meth:`restart` replaces it). The group forms on the engines started ahead
+        (see :mod:`mlx_nbdist.session.standby`) when they were started for this
+        session's ranks and backend.
         """
-        return self._start(progress or (lambda msg: None), None)
+        say = progress or (lambda msg: None)
+        if self._state in (READY, BROKEN):
+            return self
+        if not self._local() or self.python is not None:
+            standby.discard(wait=False)  # it will not be used: free what it holds
+            return self._start(say, None)
+        check_mlx()  # what a start checks first, also when it finds engines started ahead
+        self._launcher().check(self.backend)
+        cluster = standby.take(self.n, self.backend, say)
+        if cluster is None:
+            return self._start(say, None)
+        try:
+            self._warn_oversubscribed(stacklevel=3)
+            return self._start(say, cluster)
+        except StartError as e:  # the group did not form on it (its processes are ended)
+            say(f"the engines started ahead could not form the group ({short_error(e)}): "
+                "starting new ones")
+            return self._start(say, None)
 
     def _start(self, say: Progress, spare: Cluster | None) -> Session:
         """:meth:`start`, on a ``spare`` cluster already up when given."""
@@ -291,14 +298,7 @@ class Session:
             launcher = self._launcher()
             check_mlx()  # before the launcher's backend check, which imports mlx.core
             launcher.check(self.backend)
-            cores = os.cpu_count() or 1
-            if self.placement is None and self.n > cores:
-                warnings.warn(
-                    f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
-                    "and compute will be slow (fine for learning, not for timing)",
-                    OversubscribedWarning,
-                    stacklevel=3,
-                )
+            self._warn_oversubscribed()
         with self._run_lock:
             self._state = STARTING
             self.broken_reason = ""
@@ -413,7 +413,7 @@ class Session:
                 spare.discard()
             raise
         if spare is not None and cluster is None and spare.error is not None:
-            say(f"the spare engines are not usable ({short_error(spare.error)}): starting new ones")
+            say(f"the spare engines are not usable ({spare.why()}): starting new ones")
         if cluster is None:
             return self._start(say, None)
         try:
@@ -422,34 +422,37 @@ class Session:
             say(f"the spare engines could not form the group ({short_error(e)}): starting new ones")
             return self._start(say, None)
 
-    def _spare_wanted(self) -> bool:
-        """A spare is kept for local engines (a launcher on other hosts would hold
-        their GPUs and ports for it) when ``spare`` is on."""
+    def _warn_oversubscribed(self, stacklevel: int = 4) -> None:
+        cores = os.cpu_count() or 1
+        if self.placement is None and self.n > cores:
+            warnings.warn(
+                f"{self.n} ranks on {cores} CPU cores: ranks share cores, so collectives "
+                "and compute will be slow (fine for learning, not for timing)",
+                OversubscribedWarning,
+                stacklevel=stacklevel,
+            )
+
+    def _local(self) -> bool:
+        """Engines on this machine only, started by the local launcher and treated
+        as local (what a spare can be)."""
         return (
-            self.spare
-            and self.placement is None
+            self.placement is None
             and self.launcher == LocalLauncher.name
             and not self.assume_remote
         )
+
+    def _spare_wanted(self) -> bool:
+        """A spare is kept for local engines (a launcher on other hosts would hold
+        their GPUs and ports for it) when ``spare`` is on."""
+        return self.spare and self._local()
 
     def _warm_spare(self) -> None:
         """Start bringing up the next restart's engines, in the background."""
         if self._spare is not None or not self._spare_wanted():
             return
         cluster = Cluster(self._launcher(), self.n, self.start_timeout)
-        backend = self.backend
-
-        def bring_up(c: Cluster, cancelled: Callable[[], bool]) -> None:
-            c.bring_up(
-                runtime.LOOPBACK,
-                lambda msg: None,
-                record=lambda: self._write_record(cluster=c),
-                cancelled=cancelled,
-            )
-            if not cancelled():
-                c.warm(backend)
-
-        self._spare = Spare(cluster, bring_up, ready=self._idle_for)
+        record = functools.partial(spare_record, n=self.n, backend=self.backend)
+        self._spare = Spare(cluster, local_bring_up(self.backend, record), ready=self._idle_for)
 
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
@@ -512,37 +515,23 @@ class Session:
             return []
         return self.cluster.processes(self.group.local_pids() if self.group else [])
 
-    def _write_record(self, stopped: bool = False, cluster: Cluster | None = None) -> None:
-        """The record the watchdog and ``%mlxdist cleanup`` read: of this session's
-        cluster, or of ``cluster`` (a spare: its own processes, no ranks yet)."""
-        spare = cluster is not None
-        cluster = cluster or self.cluster
+    def _write_record(self, stopped: bool = False) -> None:
+        """The record the watchdog and ``%mlxdist cleanup`` read, of this session's
+        cluster."""
+        cluster = self.cluster
         assert cluster is not None
-        me = psutil.Process()
-        if stopped:
-            pids: list[tuple[int, float]] = []
-        else:
-            pids = cluster.processes([]) if spare else self.processes()
-        rec = {
-            "session_id": cluster.session_id,
-            "client_pid": me.pid,
-            "client_started": me.create_time(),
-            "n": self.n,
-            "backend": str(self.backend),
-            "launcher": self.launcher,
-            "state": str(STOPPED if stopped else STARTING if spare else self._state),
-            "pids": pids,
-            "controller_ip": cluster.controller_ip,
-            # ranks on other machines: cleanup cannot end them by PID from here
-            "remote": {}
-            if spare
-            else {
+        cluster.write_record(
+            n=self.n,
+            backend=self.backend,
+            launcher=self.launcher,
+            state=STOPPED if stopped else self._state,
+            pids=[] if stopped else self.processes(),
+            remote={
                 r: [p.host, self.ranks[r].pid]
                 for r, p in self.places.items()
                 if not p.local and r in self.ranks
             },
-        }
-        runtime.write_record(cluster.directory, rec)
+        )
 
     # -- what the notebook side reads of the ranks ---------------------------------------
     def rank_record(self, rank: int) -> dict[str, Any]:
@@ -1019,15 +1008,6 @@ def _check_timeout(timeout: Any) -> float | None:
     if not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     return float(timeout)
-
-
-def _check_n(n: Any) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise SetupError(f"-n must be a whole number of ranks >= 1, got {n!r}")
-    if n > config.MAX_RANKS:
-        raise SetupError(
-            f"-n {n} is more ranks than one machine can sensibly run (max {config.MAX_RANKS})"
-        )
 
 
 @atexit.register

@@ -19,11 +19,15 @@ runs a cell. ``Session.stop`` ends it with the rest.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 from .. import runtime
-from ..enums import TextEnum
+from ..config import Backend
+from ..enums import SessionState, TextEnum
+from ..launchers.local import LocalLauncher
+from ..outcomes import short_error
 from .cluster import Cancelled, Cluster
 
 
@@ -37,8 +41,64 @@ class SpareState(TextEnum):
     NONE = "none"  # kept for local engines only (not over ssh or mpirun)
     NOT_YET = ""  # wanted, not started yet (it waits for the session to be idle)
 
+class Changed(Exception):
+    """Engines started now would not inherit what the spare's did."""
+
+
 #: how often the thread asks whether it may start, seconds
 POLL = 0.05
+
+#: what new engines inherit from the notebook's process: its environment and folder
+Context = tuple[dict[str, str], str]
+
+
+def context() -> Context:
+    """The environment and working folder engines started now would inherit."""
+    return dict(os.environ), os.getcwd()
+
+
+def changes(then: Context, now: Context) -> str:
+    """What differs between two :func:`context` s, for a message (``""``: nothing),
+    e.g. ``the environment (OMP_NUM_THREADS)`` or ``the working folder``."""
+    (env0, cwd0), (env1, cwd1) = then, now
+    names = sorted(k for k in env0.keys() | env1.keys() if env0.get(k) != env1.get(k))
+    out = []
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        out.append(f"the environment ({shown})")
+    if cwd0 != cwd1:
+        out.append(f"the working folder ({cwd1}, was {cwd0})")
+    return " and ".join(out)
+
+
+def spare_record(cluster: Cluster, *, n: int, backend: Backend) -> None:
+    """A spare's record (see :meth:`Cluster.write_record`): its own processes, no
+    ranks yet, ``starting`` (it never runs a cell)."""
+    cluster.write_record(
+        n=n,
+        backend=backend,
+        launcher=LocalLauncher.name,
+        state=SessionState.STARTING,
+        pids=cluster.processes([]),
+        remote={},
+    )
+
+
+def local_bring_up(
+    backend: Backend, record: Callable[[Cluster], None]
+) -> Callable[[Cluster, Callable[[], bool]], None]:
+    """What brings a spare of local engines up: controller and engines on this
+    machine, then :meth:`Cluster.warm` for ``backend``; ``record(cluster)`` writes
+    its record (see :meth:`Cluster.write_record`)."""
+
+    def bring_up(c: Cluster, cancelled: Callable[[], bool]) -> None:
+        c.bring_up(
+            runtime.LOOPBACK, lambda msg: None, record=lambda: record(c), cancelled=cancelled
+        )
+        if not cancelled():
+            c.warm(backend)
+
+    return bring_up
 
 
 class Spare:
@@ -61,6 +121,9 @@ class Spare:
         self.cluster = cluster
         #: why the spare could not be brought up (``None``: it came up, or is coming)
         self.error: BaseException | None = None
+        #: what its engines inherited (see :meth:`take`); ``None`` until they start
+        self.context: Context | None = None
+        self._up = False  # brought up and warmed, not cancelled
         self._cancel = threading.Event()
         self._go = threading.Event()  # set: no more waiting for ``ready``
         self._ready = ready
@@ -76,7 +139,9 @@ class Spare:
         if self._cancel.is_set():
             return
         try:
+            self.context = context()
             bring_up(self.cluster, self._cancel.is_set)
+            self._up = not self._cancel.is_set()
         except Cancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - kept: the restart starts cold and says why
@@ -88,6 +153,7 @@ class Spare:
         the out-of-memory killer): a restart now only forms the group."""
         return (
             not self._thread.is_alive()
+            and self._up
             and self.error is None
             and not self._cancel.is_set()
             and not self.cluster.exited_while_starting()
@@ -101,8 +167,14 @@ class Spare:
         return SpareState.READY if self.ready else SpareState.FAILED
 
     def take(self) -> Cluster | None:
-        """Wait for the spare; its cluster when it came up, else ``None`` (and whatever
-        it started is ended)."""
+        """Wait for the spare; its cluster when it came up and engines started now
+        would inherit what its engines did (environment variables, working folder),
+        else ``None`` (:attr:`error` says why, and whatever it started is ended)."""
+        changed = changes(self.context, context()) if self.context is not None else ""
+        if changed:
+            self.error = Changed(f"{changed} changed since they started")
+            self.discard()
+            return None
         self._go.set()
         self._thread.join()
         if self.ready:
@@ -113,10 +185,20 @@ class Spare:
         self.discard()
         return None
 
-    def discard(self) -> None:
-        """Give it up: stop its bring-up and end every process it started."""
+    def why(self) -> str:
+        """Why :meth:`take` found it not usable, for a message (``""``: it was)."""
+        if self.error is None:
+            return ""
+        return str(self.error) if isinstance(self.error, Changed) else short_error(self.error)
+
+    def cancel(self) -> None:
+        """Stop its bring-up at its next step (:meth:`discard` then ends it sooner)."""
         self._cancel.set()
         self._go.set()
+
+    def discard(self) -> None:
+        """Give it up: stop its bring-up and end every process it started."""
+        self.cancel()
         self._thread.join()
         self.end(self.cluster)
 
