@@ -151,7 +151,7 @@ def load_ipython_extension(ipython: Any) -> None:
     if (
         magics.prewarm
         and magics.launcher in ("", "local")
-        and current_session(required=False) is None
+        and getattr(current_session(required=False), "state", "stopped") == "stopped"
     ):
         from .session import standby
 

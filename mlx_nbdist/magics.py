@@ -360,6 +360,7 @@ class MLXDist(Magics):
             raise UsageError(_interrupted_start(before)) from None
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
+        progress.keep(session.notes)
         api.set_current_session(session)
         print(_describe(session, ranks=True))
 
@@ -383,13 +384,17 @@ class MLXDist(Magics):
                 self._guard(s.restart, progress.update)
         except KeyboardInterrupt:
             raise UsageError(_interrupted_start(before, "restart")) from None
+        progress.keep(s.notes)
         print(_describe(s, ranks=True))
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         wait_for_start()
         s = api.current_session(required=False)
         if s is None:
-            print("no session (start one with %mlxdist start -n N)")
+            from .session import standby
+
+            ahead = standby.describe()
+            print("no session (start one with %mlxdist start -n N)" + (ahead and f"; {ahead}"))
             return
         print(api.format_status(s.status()))
 
@@ -649,6 +654,13 @@ class _Progress:
             self._handle.update({"text/plain": message}, raw=True)
         else:
             print(message, flush=True)
+
+    def keep(self, notes: list[str]) -> None:
+        """Print ``notes`` (the start's :attr:`Session.notes`) where the progress line
+        replaced them (a terminal printed every line already)."""
+        if self._handle is not None:
+            for note in notes:
+                print(f"note: {note}")
 
     def __exit__(self, *exc: object) -> None:
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -72,7 +73,8 @@ def test_a_start_of_another_size_ends_them_and_starts_its_own(on: None) -> None:
     s = Session(2, timeout=60, spare=False)
     try:
         s.start(said.append)
-        assert "the engines started ahead were for 1 rank (ring): ending them, starting new ones" in said
+        why = "the engines started ahead were for 1 local rank (ring): ending them, starting new ones"
+        assert why in said and s.notes == [why], (said, s.notes)
         assert not set(ahead) & {info.pid for info in s.ranks.values()}
         r = s.run("float(mx.distributed.all_sum(mx.ones(1), group=world).item())")
         assert [r.ranks[k].result_text for k in (0, 1)] == ["2.0", "2.0"]
@@ -95,6 +97,40 @@ def test_engines_started_before_the_environment_changed_are_not_used(
     finally:
         s.stop()
     assert not wait_gone(ahead)
+
+
+def test_a_notebook_shows_why_they_were_not_used_and_status_shows_them(
+    on: None, tmp_path: Path
+) -> None:
+    """Through a real kernel: the reason outlives the progress line it was shown on."""
+    nbformat = pytest.importorskip("nbformat")
+    from .test_notebooks import execute
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "%load_ext mlx_nbdist\nimport time, os\n"
+            "from mlx_nbdist.session import standby\n"
+            "while standby.state() == 'starting':\n    time.sleep(0.05)\n"
+            "%mlxdist status"
+        ),
+        nbformat.v4.new_code_cell(f"os.environ[{NEW_SETTING!r}] = 'after'\n%mlxdist start -n 2"),
+        nbformat.v4.new_code_cell(f"%%mlxdist\nimport os\nprint(os.environ[{NEW_SETTING!r}])"),
+        nbformat.v4.new_code_cell("%mlxdist stop"),
+    ]
+    path = tmp_path / "ahead.ipynb"
+    nbformat.write(nb, path)
+    done, _, _ = execute(path)
+    texts = [
+        "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in c.outputs)
+        for c in done.cells
+    ]
+    assert "engines started ahead for 2 ranks (ring): ready" in texts[0], texts[0]
+    assert (
+        f"note: the engines started ahead are not usable (the environment ({NEW_SETTING}) "
+        "changed since they started): starting new ones" in texts[1]
+    ), texts[1]
+    assert texts[2].count("after") == 2, texts[2]  # each rank sees the new setting
 
 
 def test_none_when_turned_off_or_asked_for_a_bad_size(monkeypatch: pytest.MonkeyPatch) -> None:

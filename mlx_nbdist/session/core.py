@@ -69,7 +69,7 @@ from .cluster import Cluster, check_n
 from .formation import RankPlace
 from .profile import Profiles
 from .ranks import RankGroup
-from .spare import Spare, SpareState, local_bring_up, spare_record
+from .spare import Spare, SpareState, end_later, local_bring_up, spare_record
 
 STOPPED, STARTING, READY, BROKEN = (
     SessionState.STOPPED,
@@ -190,6 +190,9 @@ class Session:
         self.assume_remote = assume_remote
         self.spare = config.SPARE if spare is None else bool(spare)
         self._spare: Spare | None = None
+        #: what the last start or restart did otherwise than asked and why, e.g. not
+        #: using engines started ahead (shown after it: the progress line is replaced)
+        self.notes: list[str] = []
         self._busy = False  # a cell or apply runs
         self._idle_since = time.monotonic()
         self.policy = config.Policy()
@@ -271,21 +274,41 @@ class Session:
         say = progress or (lambda msg: None)
         if self._state in (READY, BROKEN):
             return self
-        if not self._local() or self.python is not None:
-            standby.discard(wait=False)  # it will not be used: free what it holds
+        self.notes = []
+        if standby.state() != SpareState.NONE:
+            # what a start checks first: a start refused keeps the engines started ahead
+            check_mlx()
+            self._launcher().check(self.backend)
+        held = standby.release()
+        if held is None:
             return self._start(say, None)
-        check_mlx()  # what a start checks first, also when it finds engines started ahead
-        self._launcher().check(self.backend)
-        cluster = standby.take(self.n, self.backend, say)
-        if cluster is None:
-            return self._start(say, None)
+        cluster = None
         try:
+            local = self._local() and self.python is None
+            cluster, why = held.take(self.n, self.backend, local, say)
+            if cluster is None:
+                self._note(say, why)
+                return self._start(say, None)
             self._warn_oversubscribed(stacklevel=3)
+            return self._start_on(say, cluster, "the engines started ahead")
+        finally:
+            if cluster is None:
+                end_later(held.spare)  # once this start is done with the CPU
+
+    def _start_on(self, say: Progress, cluster: Cluster, what: str) -> Session:
+        """:meth:`_start` on ``cluster``, engines brought up ahead (``what``, for the
+        note); on new ones when the group did not form on them."""
+        try:
             return self._start(say, cluster)
-        except StartError as e:  # the group did not form on it (its processes are ended)
-            say(f"the engines started ahead could not form the group ({short_error(e)}): "
-                "starting new ones")
+        except StartError as e:  # its processes are ended
+            self._note(say, f"{what} could not form the group ({short_error(e)}): "
+                       "starting new ones")
             return self._start(say, None)
+
+    def _note(self, say: Progress, message: str) -> None:
+        """Say ``message`` and keep it in :attr:`notes` (it outlives the progress line)."""
+        self.notes.append(message)
+        say(message)
 
     def _start(self, say: Progress, spare: Cluster | None) -> Session:
         """:meth:`start`, on a ``spare`` cluster already up when given."""
@@ -402,25 +425,28 @@ class Session:
         else (or when the spare failed) new engines are started as :meth:`start` does.
         """
         say = progress or (lambda msg: None)
+        self.notes = []
         spare, self._spare = self._spare, None
+        cluster = None
         try:
             self.stop()
-            if spare is not None and not spare.ready:
+            if spare is not None and spare.state == SpareState.STARTING:
                 say("waiting for the spare engines, still starting")
             cluster = spare.take() if spare is not None else None
         except BaseException:
             if spare is not None:
                 spare.discard()
             raise
-        if spare is not None and cluster is None and spare.error is not None:
-            say(f"the spare engines are not usable ({spare.why()}): starting new ones")
-        if cluster is None:
-            return self._start(say, None)
         try:
-            return self._start(say, cluster)
-        except StartError as e:  # the group did not form on it (its processes are ended)
-            say(f"the spare engines could not form the group ({short_error(e)}): starting new ones")
-            return self._start(say, None)
+            if cluster is None:
+                if spare is not None and spare.error is not None:
+                    self._note(say, f"the spare engines are not usable ({spare.why()}): "
+                               "starting new ones")
+                return self._start(say, None)
+            return self._start_on(say, cluster, "the spare engines")
+        finally:
+            if spare is not None and cluster is None:
+                end_later(spare)  # once this restart is done with the CPU
 
     def _warn_oversubscribed(self, stacklevel: int = 4) -> None:
         cores = os.cpu_count() or 1

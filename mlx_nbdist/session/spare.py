@@ -124,6 +124,8 @@ class Spare:
         #: what its engines inherited (see :meth:`take`); ``None`` until they start
         self.context: Context | None = None
         self._up = False  # brought up and warmed, not cancelled
+        self._ending = threading.Lock()
+        self._ended = False
         self._cancel = threading.Event()
         self._go = threading.Event()  # set: no more waiting for ``ready``
         self._ready = ready
@@ -169,11 +171,12 @@ class Spare:
     def take(self) -> Cluster | None:
         """Wait for the spare; its cluster when it came up and engines started now
         would inherit what its engines did (environment variables, working folder),
-        else ``None`` (:attr:`error` says why, and whatever it started is ended)."""
+        else ``None``: :attr:`error` says why, and the caller ends it (with
+        :func:`end_later` once its own start is done, not to compete with it)."""
         changed = changes(self.context, context()) if self.context is not None else ""
         if changed:
             self.error = Changed(f"{changed} changed since they started")
-            self.discard()
+            self.cancel()
             return None
         self._go.set()
         self._thread.join()
@@ -182,7 +185,6 @@ class Spare:
         if self.error is None and not self._cancel.is_set():
             exited = self.cluster.exited_while_starting()
             self.error = RuntimeError(f"its engines exited ({exited})")
-        self.discard()
         return None
 
     def why(self) -> str:
@@ -197,10 +199,15 @@ class Spare:
         self._go.set()
 
     def discard(self) -> None:
-        """Give it up: stop its bring-up and end every process it started."""
+        """Give it up: stop its bring-up and end every process it started (once: a
+        second call, from another thread too, waits for the first)."""
         self.cancel()
-        self._thread.join()
-        self.end(self.cluster)
+        with self._ending:
+            if self._ended:
+                return
+            self._thread.join()
+            self.end(self.cluster)
+            self._ended = True
 
     @staticmethod
     def end(cluster: Cluster) -> None:
@@ -210,3 +217,10 @@ class Spare:
             cluster.stop(cluster.engine_pids())
         finally:
             runtime.discard(cluster.directory)
+
+
+def end_later(spare: Spare) -> None:
+    """End ``spare`` in a thread of its own: its bring-up stops at its next step and
+    its processes are ended then (at exit, the watchdog of its cluster does it)."""
+    spare.cancel()
+    threading.Thread(target=spare.discard, name="mlx_nbdist-spare-end", daemon=True).start()

@@ -38,14 +38,42 @@ Progress = Callable[[str], None]
 
 
 @dataclass
-class _Standby:
+class Standby:
+    """Engines started ahead for a local session of ``n`` ranks on ``backend``."""
+
     spare: Spare
     n: int
     backend: Backend
 
+    def take(
+        self, n: int, backend: Backend, local: bool, say: Progress
+    ) -> tuple[Cluster | None, str]:
+        """``(its cluster, "")`` when it was brought up for ``n`` local ranks on
+        ``backend`` and still fits (see :meth:`Spare.take`), waiting for it if it is
+        still coming up (``say`` tells so); else ``(None, why)``, and the caller ends
+        it (after its own start: ending it would compete with that for the CPU)."""
+        if not local or (self.n, self.backend) != (n, backend):
+            return None, (
+                f"the engines started ahead were for {self.n} local "
+                f"rank{'s' * (self.n != 1)} ({self.backend}): ending them, starting new ones"
+            )
+        try:
+            if self.spare.state == SpareState.STARTING:
+                say("waiting for the engines started ahead, still starting")
+            cluster = self.spare.take()
+        except BaseException:  # Ctrl-C while waiting: nothing of it may stay behind
+            self.spare.discard()
+            raise
+        if cluster is None:
+            return None, (
+                f"the engines started ahead are not usable ({self.spare.why() or 'stopped'}): "
+                "starting new ones"
+            )
+        return cluster, ""
+
 
 _lock = threading.Lock()
-_held: _Standby | None = None
+_held: Standby | None = None
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
@@ -69,7 +97,7 @@ def prewarm(n: int = config.N, backend: str | Backend = config.BACKEND) -> bool:
             return False
         cluster = Cluster(launchers.create(LocalLauncher.name, None, n), n, config.START_TIMEOUT)
         record = lambda c: spare_record(c, n=n, backend=backend)  # noqa: E731
-        _held = _Standby(Spare(cluster, local_bring_up(backend, record)), n, backend)
+        _held = Standby(Spare(cluster, local_bring_up(backend, record)), n, backend)
     return True
 
 
@@ -82,35 +110,13 @@ def local(n: int, backend: Backend) -> bool:
     return placement is None and launchers.default_name(backend, None) == LocalLauncher.name
 
 
-def take(n: int, backend: Backend, say: Progress) -> Cluster | None:
-    """The standby's cluster when it was brought up for ``n`` ranks on ``backend``
-    and still fits (see :meth:`Spare.take`), waiting for it if it is still coming
-    up; else ``None``, and whatever it started is ended (``say`` tells why)."""
+def release() -> Standby | None:
+    """The standby, no longer held here (``None`` when none is): the caller takes it
+    (:meth:`Standby.take`) or ends it (:func:`~.spare.end_later`)."""
     global _held
     with _lock:
         held, _held = _held, None
-    if held is None:
-        return None
-    if (held.n, held.backend) != (n, backend):
-        say(
-            f"the engines started ahead were for {held.n} rank{'s' * (held.n != 1)} "
-            f"({held.backend}): ending them, starting new ones"
-        )
-        _end_later(held)
-        return None
-    try:
-        if held.spare.state == SpareState.STARTING:
-            say("waiting for the engines started ahead, still starting")
-        cluster = held.spare.take()
-    except BaseException:  # Ctrl-C while waiting: nothing of it may stay behind
-        held.spare.discard()
-        raise
-    if cluster is None:
-        say(
-            f"the engines started ahead are not usable ({held.spare.why() or 'stopped'}): "
-            "starting new ones"
-        )
-    return cluster
+    return held
 
 
 def state() -> SpareState:
@@ -119,30 +125,26 @@ def state() -> SpareState:
     return held.spare.state if held is not None else SpareState.NONE
 
 
+def describe() -> str:
+    """One line on the standby for ``%mlxdist status`` (``""`` when none is held)."""
+    held = _held
+    if held is None:
+        return ""
+    ranks = f"{held.n} rank{'s' * (held.n != 1)}"
+    return f"engines started ahead for {ranks} ({held.backend}): {held.spare.state}"
+
+
 def engine_pids() -> list[int]:
     """The standby's engine processes (``[]`` when none is held or none started yet)."""
     held = _held
     return held.spare.cluster.engine_pids() if held is not None else []
 
 
-def discard(wait: bool = True) -> None:
-    """End the standby's processes, if one is held (``wait=False``: in the
-    background, so that a start that will not use them does not wait for it)."""
-    global _held
-    with _lock:
-        held, _held = _held, None
+def discard() -> None:
+    """End the standby's processes, if one is held."""
+    held = release()
     if held is not None:
-        if wait:
-            held.spare.discard()
-        else:
-            _end_later(held)
-
-
-def _end_later(held: _Standby) -> None:
-    """End ``held`` in a thread of its own: its bring-up stops at its next step, and
-    its processes are ended then (at exit, the watchdog of its cluster does it)."""
-    held.spare.cancel()
-    threading.Thread(target=held.spare.discard, name="mlx_nbdist-standby-end", daemon=True).start()
+        held.spare.discard()
 
 
 atexit.register(discard)
