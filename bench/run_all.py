@@ -338,9 +338,10 @@ def goal_rows(results: dict) -> list[Goal]:
             _goal(rows, "startup", "`%mlxdist start` on the engines `%load_ext` started, vs "
                   "`mlx.launch` of an empty script (2 ranks)", w["median"] / b["median"], 2.0,
                   "{:.2f}x", f"p95 {w['p95'] / b['p95']:.2f}x")
-            if clean:
-                _goal(rows, "startup", "... vs the `mlx.launch` runs without MLX's 1 s ring "
-                      "retry", w["median"] / clean, 2.0, "{:.2f}x",
+            if clean:  # (a name of its own: the history keys goals by name)
+                _goal(rows, "startup", "... on the engines `%load_ext` started, vs the "
+                      "`mlx.launch` runs without MLX's 1 s ring retry", w["median"] / clean,
+                      2.0, "{:.2f}x",
                       f"{b['n'] - b['ring retries']} of {b['n']} runs")
     tp = results.get("tp_step", {})
     one, two = tp.get("1 rank, unsharded"), tp.get("2 ranks, Megatron")
