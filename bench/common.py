@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
+import select
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from types import TracebackType
 from importlib.metadata import version
 from pathlib import Path
 
@@ -116,6 +119,16 @@ def mlx_launch(n: int, command: list[str], ok: Callable[[str], bool],
     raise RuntimeError(f"mlx.launch failed {tries} times:\n" + "\n".join(notes))
 
 
+def _direct_env(script: Path, n: int, attempt: int) -> dict[str, str]:
+    """The environment ``mlx.launch`` gives ring ranks, on free ports (rank unset)."""
+    from mlx_nbdist.engine.rpc import free_ports
+
+    hostfile = script.with_name(f"hosts-{attempt}.json")
+    hostfile.write_text(json.dumps(
+        [[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * n)]))
+    return {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
+
+
 def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float = 600,
                        failed: list[str] | None = None, tries: int = 3) -> list[str]:
     """Run ``script`` as ``n`` ring ranks started directly, with the environment
@@ -126,14 +139,9 @@ def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float
     connect (``[ring] Couldn't connect (error: 111)``: a rank gave up before its peer
     listened): such a run is noted in ``failed`` and started again on fresh ports,
     ``tries`` runs in all."""
-    from mlx_nbdist.engine.rpc import free_ports
-
     notes = failed if failed is not None else []
     for attempt in range(tries):
-        hostfile = script.with_name(f"hosts-{attempt}.json")
-        hostfile.write_text(json.dumps(
-            [[f"127.0.0.1:{p}"] for p in free_ports(["127.0.0.1"] * n)]))
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
+        env = _direct_env(script, n, attempt)
         procs = [subprocess.Popen([sys.executable, str(script), *args], text=True,
                                   env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for r in range(n)]  # fmt: skip
@@ -151,3 +159,89 @@ def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float
             raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{errors}")
         notes.append(errors.strip()[-500:])
     raise AssertionError("unreachable")
+
+
+class ServedRanks:
+    """``n`` ring ranks of ``script`` started as :func:`run_ranks_directly` starts them,
+    kept running: after its setup the script prints ``READY`` (rank 0) and then serves
+    one request per line of its stdin, rank 0 answering each with one line. So a
+    benchmark can alternate it with a cell request by request, and this VM's drift
+    (its speed moves by tens of percent within seconds) hits both sides of a pair
+    alike. A start that fails MLX's connect is noted in ``failed`` and tried again."""
+
+    def __init__(self, script: Path, args: list[str], n: int = 2, timeout: float = 300,
+                 failed: list[str] | None = None, tries: int = 3) -> None:
+        self.script, self.args, self.n, self.timeout = script, args, n, timeout
+        self.failed = failed if failed is not None else []
+        self.tries = tries
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> ServedRanks:
+        for attempt in range(self.tries):
+            env = _direct_env(self.script, self.n, attempt)
+            logs = [self.script.with_name(f"rank{r}-{attempt}.err") for r in range(self.n)]
+            self.procs = [subprocess.Popen(
+                [sys.executable, str(self.script), *self.args], text=True,
+                env={**env, "MLX_RANK": str(r)}, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                stderr=log.open("w")) for r, log in enumerate(logs)]
+            try:
+                if self._line() == "READY":
+                    return self
+            except RuntimeError:
+                pass
+            self._end()
+            errors = "\n".join(log.read_text() for log in logs)
+            if "Couldn't connect" not in errors or attempt == self.tries - 1:
+                raise RuntimeError(f"{self.script.name} {' '.join(self.args)} failed:\n"
+                                   f"{errors[-3000:]}")
+            self.failed.append(errors.strip()[-500:])
+        raise AssertionError("unreachable")
+
+    def ask(self, request: str) -> str:
+        """Send ``request`` to every rank; rank 0's answer."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(request + "\n")
+            p.stdin.flush()
+        return self._line()
+
+    def _line(self) -> str:
+        out = self.procs[0].stdout
+        assert out is not None
+        if not select.select([out], [], [], self.timeout)[0]:
+            raise RuntimeError(f"{self.script.name}: no answer in {self.timeout:g} s")
+        line = out.readline()
+        if not line:
+            raise RuntimeError(f"{self.script.name}: rank 0 ended (exit {self.procs[0].wait()})")
+        return line.strip()
+
+    def _end(self) -> None:
+        for p in self.procs:  # only ours, by handle: end of input ends the script
+            if p.stdin is not None and not p.stdin.closed:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._end()
+
+
+def paired(ratios: list[float], resamples: int = 2000) -> dict[str, float | list[float]]:
+    """The median of paired ratios, with a 90 % interval from resampling the pairs."""
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                  for _ in range(resamples))
+    return {"ratio": statistics.median(ratios),
+            "interval": [boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]],
+            "pairs": len(ratios)}

@@ -20,17 +20,15 @@ share; a cell of length L pays at most share x (1 + refresh / L).
 from __future__ import annotations
 
 import json
-import random
 import statistics
 
-from common import stats
+from common import paired, stats
 from live_output import Frontend
 from tp_step import SETUP as TP_SETUP
 
 RANKS = 2
 BLOCKS = 32
 PER_BLOCK = {"round trip": 16, "tp step": 3}
-RESAMPLES = 2000
 CELLS = {"round trip": "%%mlxdist\npass", "tp step": "%%mlxdist\nstep()"}
 OPEN = """
 import time as _t
@@ -89,19 +87,8 @@ def summarise(blocks: list[list[float]]) -> dict:
         statistics.median(o) / statistics.median(c)
         for c, o in zip(blocks[0::2], blocks[1::2], strict=True)
     ]
-    rng = random.Random(0)
-    boot = sorted(
-        statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(RESAMPLES)
-    )
     c, o = stats(closed), stats(opened)
-    return {
-        "closed": c,
-        "open": o,
-        "pooled ratio": o["median"] / c["median"],
-        "ratio": statistics.median(pairs),
-        "interval": [boot[int(0.05 * RESAMPLES)], boot[int(0.95 * RESAMPLES) - 1]],
-        "pairs": len(pairs),
-    }
+    return {"closed": c, "open": o, "pooled ratio": o["median"] / c["median"], **paired(pairs)}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,22 @@ loop ``stream_generate`` runs, without detokenising), sharded by mlx-lm itself:
 ``Model.shard(group)`` for TP, ``model.model.pipeline(group)`` for the pipeline (no
 mlx_nbdist in the script). Decode tokens/s = (tokens - 1) / (time from the first token
 to the last), the same measure on both sides; the tokens must agree.
+
+Both stay up for a block and take turns one generation at a time (the script serves
+a generation per line of its stdin, ``common.ServedRanks``), each side first in half
+of the pairs: this VM's speed moves by tens of percent within seconds (one generation
+read 65 and 142 tok/s in one cell), so the estimate is the median over pairs of the
+cell's tokens/s over the script's, with a 90 % interval from resampling the pairs
+(the ratio of the pooled medians beside it). A pair of processes can also stay 10-20 %
+faster or slower than another for its whole life (one block of 10 pairs read 0.80x,
+the next run 1.10x, same code): each block starts a fresh session and fresh script
+ranks, and the blocks' ratios are shown.
+
+A third turn in each round, *bare*, runs in the cell's own processes the script's
+loop over ``generate_step`` on the same sharded model with the collectives MLX's own
+(mlx_nbdist's tracking and order tags off): cell / bare is what mlx_nbdist's own work
+per token costs, free of the processes' placement; bare / script what the engine's
+process costs.
 """
 
 from __future__ import annotations
@@ -18,18 +34,21 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import run_ranks_directly, stats
+from common import ServedRanks, paired, stats
 
 from mlx_nbdist import Session
 
 TOKENS = 64
-REPS = 5
+#: blocks, each with a fresh session and fresh script ranks
+BLOCKS = 3
+#: rounds a block: a generation of each side (cell, bare, script), one at a time
+PAIRS = 10
 
 MODEL = """
 import json, time
 import mlx.core as mx
 from mlx_lm.models import qwen2
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 ARGS = dict(model_type="qwen2", hidden_size=512, num_hidden_layers=4,
             intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
@@ -42,11 +61,21 @@ def build():
     m = qwen2.Model(qwen2.ModelArgs.from_dict(ARGS))
     mx.eval(m.parameters())
     return m
+
+def decode(model, n):  # the loop stream_generate runs: the tokens and decode tokens/s
+    out, first, end = [], 0.0, 0.0
+    for tok, _ in generate_step(PROMPT, model, max_tokens=n):
+        now = time.perf_counter()
+        if not out:
+            first = now
+        end = now
+        out.append(int(tok))
+    mx.synchronize(generation_stream)
+    return {"tps": (len(out) - 1) / (end - first), "tokens": out}
 """
 
 SCRIPT = MODEL + """
 import sys
-from mlx_lm.generate import generation_stream
 mode = sys.argv[1]
 world = mx.distributed.init(backend="ring", strict=True)
 model = build()
@@ -56,77 +85,97 @@ else:
     model.model.pipeline(world)
 mx.eval(model.parameters())
 
-def once(n):
-    out, first, end = [], 0.0, 0.0
-    for tok, _ in generate_step(PROMPT, model, max_tokens=n):
-        now = time.perf_counter()
-        if not out:
-            first = now
-        end = now
-        out.append(int(tok))
-    mx.synchronize(generation_stream)
-    return out, (len(out) - 1) / (end - first)
-
-once(8)
-runs = [once({tokens}) for _ in range({reps})]
+decode(model, 8)
 if world.rank() == 0:
-    print("RESULT " + json.dumps({{"tps": [r[1] for r in runs], "tokens": runs[0][0]}}))
+    print("READY", flush=True)
+while line := sys.stdin.readline():  # one generation a line; the end of input ends it
+    got = decode(model, int(line))
+    if world.rank() == 0:
+        print(json.dumps(got), flush=True)
 """
 
-CELL = """
-mode = {mode!r}
-model = mlx_nbdist.shard(build(), "megatron" if mode == "tp" else "pipeline")
+SETUP = """
+from mlx_nbdist.engine.state import current as _current
+from mlx_nbdist.engine.tracker import OPS as _OPS
+model = mlx_nbdist.shard(build(), "megatron" if {mode!r} == "tp" else "pipeline")
 mlx_nbdist.generate(model, PROMPT, max_tokens=8, echo=False)
-_runs = [mlx_nbdist.generate(model, PROMPT, max_tokens={tokens}, echo=False)
-         for _ in range({reps})]
-_out = json.dumps({{"tps": [g.decode_tps for g in _runs], "tokens": _runs[0].tokens}})
-_out
+
+def _bare(n):  # the script's loop, with MLX's own collectives (no tracking, no tags)
+    tracker = _current().tracker
+    ours = {{op: getattr(mx.distributed, op) for op in _OPS if hasattr(mx.distributed, op)}}
+    for op in ours:
+        setattr(mx.distributed, op, tracker.original(op))
+    try:
+        return decode(model, n)
+    finally:
+        for op, fn in ours.items():
+            setattr(mx.distributed, op, fn)
 """
+CELL = """
+_g = mlx_nbdist.generate(model, PROMPT, max_tokens={tokens}, echo=False)
+json.dumps({{"tps": _g.decode_tps, "tokens": _g.tokens}})
+"""
+BARE = "json.dumps(_bare({tokens}))"
+SIDES = ("cell", "bare", "script")
 
 
-def in_cell(s: Session, mode: str) -> dict:
-    r = s.run(CELL.format(mode=mode, tokens=TOKENS, reps=REPS), timeout=600)
-    return json.loads(r.ranks[0].result_text.strip("'\""))
+def measure(s: Session, ranks: ServedRanks, mode: str, pairs: int) -> dict[str, list[float]]:
+    """``pairs`` rounds of one generation a side, the sides' order turning each round."""
+    s.run(SETUP.format(mode=mode), timeout=600)
+    turns = {
+        "cell": lambda: s.run(CELL.format(tokens=TOKENS), timeout=600),
+        "bare": lambda: s.run(BARE.format(tokens=TOKENS), timeout=600),
+        "script": lambda: ranks.ask(str(TOKENS)),
+    }
+    tps: dict[str, list[float]] = {side: [] for side in SIDES}
+    for i in range(pairs):
+        got = {}
+        for side in SIDES[i % 3:] + SIDES[: i % 3]:
+            r = turns[side]()
+            got[side] = json.loads(r if isinstance(r, str) else
+                                   r.ranks[0].result_text.strip("'\""))
+        for side in SIDES:
+            if got[side]["tokens"] != got["script"]["tokens"]:
+                raise RuntimeError(f"{mode}: the {side}'s tokens {got[side]['tokens'][:8]}... "
+                                   f"differ from the script's {got['script']['tokens'][:8]}...")
+            tps[side].append(got[side]["tps"])
+    return tps
 
 
-#: per mode, the plain-script runs started again after MLX's ring failed to connect
+def _ratios(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+def summarise(blocks: list[dict[str, list[float]]]) -> dict:
+    """The sides' tokens/s and the paired ratios, over all blocks and block by block."""
+    tps = {side: [x for b in blocks for x in b[side]] for side in SIDES}
+    out: dict = {side: {**stats(v), "min": min(v), "max": max(v)} for side, v in tps.items()}
+    out.update(paired(_ratios(tps["cell"], tps["script"])))
+    out["pooled ratio"] = out["cell"]["median"] / out["script"]["median"]
+    out["ratio by block"] = [paired(_ratios(b["cell"], b["script"]))["ratio"] for b in blocks]
+    for a, b in (("cell", "bare"), ("bare", "script")):
+        out[f"{a} / {b}"] = paired(_ratios(tps[a], tps[b]))
+    return out
+
+
+#: per mode, the plain-script starts tried again after MLX's ring failed to connect
 init_failures: dict[str, list[str]] = {}
 
 
-def direct_script(mode: str) -> dict:
+def main(blocks: int = BLOCKS, pairs: int = PAIRS) -> dict:
+    runs: dict[str, list[dict[str, list[float]]]] = {"tp": [], "pipeline": []}
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "decode.py"
-        script.write_text(SCRIPT.format(tokens=TOKENS, reps=REPS))
-        failed = init_failures.setdefault(mode, [])
-        out = run_ranks_directly(script, [mode], failed=failed)[0]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        return json.loads(line[len("RESULT "):])
-
-
-def main(trials: int = 6) -> dict:
-    out: dict = {}
-    with Session(2, timeout=600) as s:
-        s.run(MODEL)
-        for mode in ("tp", "pipeline"):
-            cell_tps: list[float] = []
-            script_tps: list[float] = []
-            for i in range(trials):  # interleaved, each side first in half of them
-                if i % 2:
-                    p = direct_script(mode)
-                    c = in_cell(s, mode)
-                else:
-                    c = in_cell(s, mode)
-                    p = direct_script(mode)
-                if c["tokens"] != p["tokens"]:
-                    raise RuntimeError(f"{mode}: the cell's tokens {c['tokens'][:8]}... differ "
-                                       f"from the script's {p['tokens'][:8]}...")
-                cell_tps += c["tps"]
-                script_tps += p["tps"]
-            cs = {**stats(cell_tps), "min": min(cell_tps), "max": max(cell_tps)}
-            ps = {**stats(script_tps), "min": min(script_tps), "max": max(script_tps)}
-            out[mode] = {"cell": cs, "script": ps, "ratio": cs["median"] / ps["median"],
-                         "script init retries": len(init_failures.get(mode, []))}
-    return out
+        script.write_text(SCRIPT)
+        for b in range(blocks):
+            with Session(2, timeout=600) as s:
+                s.run(MODEL)
+                for mode in list(runs)[b % 2:] + list(runs)[: b % 2]:
+                    failed = init_failures.setdefault(mode, [])
+                    with ServedRanks(script, [mode], failed=failed) as ranks:
+                        runs[mode].append(measure(s, ranks, mode, pairs))
+    return {mode: {**summarise(bl), "script init retries": len(init_failures[mode])}
+            for mode, bl in runs.items()}
 
 
 if __name__ == "__main__":

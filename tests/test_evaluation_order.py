@@ -226,3 +226,35 @@ def test_a_compiled_message_function_called_again_counts_every_message(
     assert r.stdout(1).split("\n")[:3] == [
         "[1.0, 2.0, 3.0]", "[11.0, 12.0, 13.0]", "[21.0, 22.0, 23.0]"], r.stdout(1)
     assert session2.state == "ready"
+
+
+LATE_SWAP = (
+    "a = mx.distributed.all_sum(mx.ones((4,)) * (rank + 1), group=world)\n"
+    "b = mx.distributed.all_sum(mx.ones((4,)) * 10 * (rank + 1), group=world)\n"
+    "for _ in range(300):  # many compactions of the held outputs, a and b unevaluated\n"
+    "    mx.eval(mx.distributed.all_sum(mx.ones((2,)), group=world))\n"
+    "if rank == 0:\n"
+    "    mx.eval(a); mx.eval(b)\n"
+    "else:\n"
+    "    mx.eval(b); mx.eval(a)\n"
+    "print(a.tolist(), b.tolist())"
+)
+
+
+def test_a_swap_of_collectives_left_unevaluated_through_many_others_is_caught(
+        session2: Session) -> None:
+    """The tracker looks at outputs found unevaluated once only again at the cell's end
+    (mlx-lm's prefill leaves some never run: looking at them again and again cost a
+    decode): two such, run at last in another order on each rank, still fail the cell,
+    and run in the same order they do not."""
+    with pytest.raises(CellError) as info:
+        session2.run(LATE_SWAP)
+    text = str(info.value)
+    assert ("collective 1 of this cell (all_sum shape=(4,) dtype=float32) ran on rank 0 "
+            "together with collective 2 of rank 1") in text, text
+    assert "Rank 1 had not evaluated them" not in text  # the user's order, not the end's
+    assert session2.state == "ready"
+    r = session2.run(LATE_SWAP.replace("mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == "[3.0, 3.0, 3.0, 3.0] [30.0, 30.0, 30.0, 30.0]", (
+            r.stdout(rank))

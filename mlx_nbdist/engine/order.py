@@ -32,6 +32,7 @@ collective it releases.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,14 +65,22 @@ _OPS = (*_PAIRED, "all_gather", "send", "recv", "recv_like")
 
 #: the arguments the tracker reads itself (see :func:`call`): the rest are MLX's
 #: keywords (``group``, ``stream``)
-_READ = ("x", "shape", "dtype", "src", "dst")
+_READ = frozenset(("x", "shape", "dtype", "src", "dst"))
 
 Plan = tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[Any, Any]]]
 
 
 def width(op: str, dtype: str, size: int, nbytes: int) -> tuple[int, int]:
     """The digits' base and how many a tag of ``op`` has; ``(0, 0)``: not tagged."""
-    if op not in _OPS or nbytes >= MAX_BYTES or size < 2:
+    if nbytes >= MAX_BYTES:
+        return 0, 0
+    return _width(op, dtype, size)
+
+
+@functools.lru_cache(maxsize=256)
+def _width(op: str, dtype: str, size: int) -> tuple[int, int]:
+    # asked on every collective: a decode step issues the same few again and again
+    if op not in _OPS or size < 2:
         return 0, 0
     exact = _EXACT.get(dtype, 0)
     # digits 0..base-1: a sum holds size * d * d, the others d and base - 1 - d; a
@@ -94,8 +103,23 @@ def digits(index: int, base: int, n: int) -> list[int]:
     the digits of the first call."""
     if index == WILDCARD:
         return [base] * n
-    p = (index - 1) % base**n
-    return [(p // base**j) % base for j in range(n)]
+    p, out = index - 1, []
+    for _ in range(n):
+        p, d = divmod(p, base)
+        out.append(d)
+    return out
+
+
+_NUMPY_DTYPES: dict[Any, tuple[np.dtype, bool]] = {}
+
+
+def _numpy_dtype(dtype: Any) -> tuple[np.dtype, bool]:
+    """How numpy reads an MLX dtype's bytes, and whether they are bfloat16's."""
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        name = dtypes.dtype_name(dtype)
+        found = _NUMPY_DTYPES[dtype] = (np.dtype(_NUMPY.get(name, name)), name == "bfloat16")
+    return found
 
 
 def _values(op: str, ds: list[int], base: int) -> list[int]:
@@ -117,19 +141,21 @@ class Tag:
     digits: list[int]
     base: int
     size: int
+    #: the values this rank sent (:func:`_values` of the digits; made when omitted)
+    own: list[int] | None = None
 
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it)."""
-        t = len(_values(self.rec.op, self.digits, self.base))
-        name = dtypes.dtype_name(self.full.dtype)
-        raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
+        t = len(self.digits) * (2 if self.rec.op in _PAIRED else 1)  # _values' length
+        kind, bits = _numpy_dtype(self.full.dtype)
+        raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=kind)
         tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
-        if name == "bfloat16":  # numpy has none: its bits are a float32's upper half
+        if bits:  # bfloat16, which numpy lacks: its bits are a float32's upper half
             tail = (tail.astype(np.uint32) << 16).view(np.float32)
         return tail.ravel().tolist()
 
     def expected(self) -> list[int]:
-        own = _values(self.rec.op, self.digits, self.base)
+        own = self.own if self.own is not None else _values(self.rec.op, self.digits, self.base)
         if self.rec.op in _SUMS:
             return [self.size * v for v in own]
         return own * self.size if self.rec.op == "all_gather" else own
@@ -141,7 +167,7 @@ class Tag:
         named only when its position cannot be another; ``settled``: mlx_nbdist ran it
         at the cell's end (see ``Tracker.settle``). What paired wrongly, or ``None``."""
         expected = self.expected()
-        if [float(g) for g in got] == [float(e) for e in expected]:
+        if got == expected or [float(g) for g in got] == [float(e) for e in expected]:
             return None
         if self.rec.op in P2P and got == [self.base] * len(expected):
             return None  # sent from a traced function: any position (see digits)
@@ -170,44 +196,63 @@ class Tag:
 
 def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, ...],
          dtype: str, peer: int | None, kwargs: dict[str, Any], index: int, base: int, n: int,
-         size: int) -> tuple[Plan, list[int]] | None:
+         size: int) -> tuple[Plan, list[int], list[int]] | None:
     """How to run collective ``op`` tagged with position ``index``: the function, its
     arguments, and what turns its output into the user's array and the output to
-    read the tag from (``None`` for a send); and the position's digits. ``x``,
+    read the tag from (``None`` for a send); the position's digits, and the values
+    this rank sends for them (:class:`Tag`'s ``own``). ``x``,
     ``shape``, ``dtype`` and ``peer`` are what the tracker read of the call (``x``:
     the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
     ds = digits(index, base, n)
-    values: Any = _values(op, ds, base)
-    rest = {key: v for key, v in kwargs.items() if key not in _READ}
-    k, t = math.prod(shape), len(values)
+    own = _values(op, ds, base)
+    values: Any = own
+    rest = kwargs if _READ.isdisjoint(kwargs) else {
+        key: v for key, v in kwargs.items() if key not in _READ}
+    lay = _layout(op, shape, len(values), size)
+    if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
+        if "recv" not in fns:
+            return None
+        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), ds, own
+    if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
+        return None
+    if lay.row:
+        for _ in range(len(shape) - 1):
+            values = [values]
+        tagged = mx.concatenate([x, mx.array(values, dtype=x.dtype)], axis=-1)
+    else:
+        tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
+    args = (tagged, peer) if op == "send" else (tagged,)
+    return (fns[op], args, rest, lay.split), ds, own
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a tagged collective's data and tag lie (the same for every call of one
+    op and shape: kept, see :func:`_layout`)."""
+
+    row: bool
+    #: a receive's shape on the wire: the user's values, then the tag
+    wire: tuple[int, ...]
+    split: Callable[[Any], tuple[Any, Any]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(op: str, shape: tuple[int, ...], t: int, size: int) -> _Layout:
+    k = math.prod(shape)
     # Every node costs a rank a few microseconds to schedule (tens on busy cores): a
     # decode step issues small collectives by the dozen. Hence one row (a decoded
     # token's activations) takes its tag after it, with no reshape, and the tag is
     # made in its final shape.
     row = bool(shape) and op != "all_gather" and math.prod(shape[:-1]) == 1
-    if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
-        if "recv" not in fns:
-            return None
-        wire = (*shape[:-1], k + t) if row else (k + t,)
-        return (fns["recv"], (wire, getattr(mx, dtype), peer), rest,
-                _split(shape, k, row, keep=True)), ds
-    if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
-        return None
-    if row:
-        for _ in range(x.ndim - 1):
-            values = [values]
-        tagged = mx.concatenate([x, mx.array(values, dtype=x.dtype)], axis=-1)
-    else:
-        tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
+    wire = (*shape[:-1], k + t) if row else (k + t,)
     if op == "all_gather":  # each rank's row: its data, then its tag
 
         def rows(out: Any) -> tuple[Any, Any]:
             by_rank = out.reshape(size, k + t)
             return by_rank[:, :k].reshape((size * shape[0], *shape[1:])), out
 
-        return (fns[op], (tagged,), rest, rows), ds
-    others = (peer,) if op == "send" else ()
-    return (fns[op], (tagged, *others), rest, _split(shape, k, row, keep=op != "send")), ds
+        return _Layout(row, wire, rows)
+    return _Layout(row, wire, _split(shape, k, row, keep=op != "send"))
 
 
 def _split(shape: tuple[int, ...], k: int, row: bool, keep: bool

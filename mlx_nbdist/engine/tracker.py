@@ -131,6 +131,9 @@ class Tracker:
         self._recvd: dict[int, list[list[Any]]] = {}
         self._held: list[tuple[CollectiveRecord, Any, order.Tag | None]] = []
         self._held_bytes = 0
+        #: how many of the first held were found unevaluated by a compaction: they are
+        #: looked at again only by one by bytes, and by settle (see _hold)
+        self._stale = 0
         self._compact_at = COMPACT_AT
         #: collectives whose tag says they ran with another collective (see :mod:`.order`)
         self._order: list[dict[str, Any]] = []
@@ -268,8 +271,9 @@ class Tracker:
         Returns the records it evaluated.
         """
         with self._lock:
-            held, self._held = self._held, []
-        pending = [(rec, a) for rec, a, _ in held if not _evaluated(a)]
+            held, self._held, self._stale = self._held, [], 0
+        everything_ran = _evaluated(*(a for _, a, _ in held))
+        pending = [] if everything_ran else [(rec, a) for rec, a, _ in held if not _evaluated(a)]
         failed: set[int] = set()
         self.settling = [rec for rec, _ in pending]
         done = []
@@ -381,20 +385,29 @@ class Tracker:
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
                 return
-            held = list(self._held)
+            held, stale = list(self._held), (0 if by_bytes else self._stale)
         # Proving an array unevaluated walks its whole graph (_evaluated): the newest
         # outputs are most likely in the graph being built right now (a decode step's
         # next token), so a compaction by count checks the older half only; the newer
         # half is checked at the next one. (Checking all cost a tensor-parallel decode
-        # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them.
-        cut = len(held) if by_bytes else len(held) // 2
-        ran = {id(item) for item in held[:cut] if _evaluated(item[1])}
-        keep = [item for item in held[:cut] if id(item) not in ran] + held[cut:]
+        # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them. Those found
+        # unevaluated stay first and are not looked at again by count: some never run
+        # in the cell (a prompt's last layers in mlx-lm's prefill, whose logits nobody
+        # evaluates), and looking at them at every compaction made every look at the
+        # others one by one (a TP decode of 5 x 64 tokens: 2,600 looks, now 240).
+        cut = len(held) if by_bytes else stale + (len(held) - stale) // 2
+        older = held[stale:cut]
+        if _evaluated(*(item[1] for item in older)):  # usually: one look for them all
+            unran = []
+        else:
+            unran = [item for item in older if not _evaluated(item[1])]
+        gone = {id(item) for item in unran}
         # those that ran are dropped: read their tags first
-        self._read_tags([item[2] for item in held[:cut] if id(item) in ran and item[2]])
+        self._read_tags([item[2] for item in older if id(item) not in gone and item[2]])
         with self._lock:
             added = self._held[len(held) :]
-            self._held = keep + added
+            self._held = held[:stale] + unran + held[cut:] + added
+            self._stale = stale + len(unran)
             self._held_bytes = sum(int(a.nbytes) for _, a, _ in self._held)
             self._compact_at = max(COMPACT_AT, 2 * len(self._held))
 
@@ -432,7 +445,7 @@ class Tracker:
             if found:
                 out, full = split(out)
                 if full is not None and not tracker._replaying and not traced:
-                    tag = order.Tag(rec, full, found[1], base, tracker.size)
+                    tag = order.Tag(rec, full, found[1], base, tracker.size, found[2])
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
                 tracker._hold(rec, out, tag)
             return out
@@ -505,14 +518,19 @@ class Tracker:
         )
 
 
-def _evaluated(a: Any) -> bool:
-    """Whether an array has been evaluated: MLX drops an evaluated array's graph, so
-    its graph export has no edge (cheap: a few microseconds once evaluated)."""
+def _evaluated(*arrays: Any) -> bool:
+    """Whether arrays have all been evaluated: MLX drops an evaluated array's graph, so
+    their graph export has no edge (cheap: a few microseconds once evaluated, and one
+    export for many costs about what one for one does)."""
+    if not arrays:
+        return True
     f = io.StringIO()
     try:
-        mx.export_to_dot(f, a)
-    except Exception:  # noqa: BLE001 - cannot tell: treat as evaluated, never block on it
-        return True
+        mx.export_to_dot(f, *arrays)
+    except Exception:  # noqa: BLE001 - cannot tell: one is taken as evaluated (never
+        # block on it); of several, each is then asked alone (a caller that took them all
+        # as evaluated would drop, unrun, those it must run at the cell's end)
+        return len(arrays) == 1
     return "->" not in f.getvalue()
 
 
