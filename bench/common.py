@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 from importlib.metadata import version
 from pathlib import Path
 
@@ -175,16 +176,18 @@ class ServedRanks:
         self.failed = failed if failed is not None else []
         self.tries = tries
         self.procs: list[subprocess.Popen] = []
+        self.logs: list[Any] = []
 
     def __enter__(self) -> ServedRanks:
         for attempt in range(self.tries):
             env = _direct_env(self.script, self.n, attempt)
             logs = [self.script.with_name(f"rank{r}-{attempt}.err") for r in range(self.n)]
+            self.logs = [log.open("w") for log in logs]
             self.procs = [subprocess.Popen(
                 [sys.executable, str(self.script), *self.args], text=True,
                 env={**env, "MLX_RANK": str(r)}, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                stderr=log.open("w")) for r, log in enumerate(logs)]
+                stderr=log) for r, log in enumerate(self.logs)]
             try:
                 if self._line() == "READY":
                     return self
@@ -231,6 +234,8 @@ class ServedRanks:
                 p.wait()
             if p.stdout is not None:
                 p.stdout.close()
+        for log in self.logs:
+            log.close()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:

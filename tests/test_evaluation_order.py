@@ -258,3 +258,20 @@ def test_a_swap_of_collectives_left_unevaluated_through_many_others_is_caught(
     for rank in (0, 1):
         assert r.stdout(rank).strip() == "[3.0, 3.0, 3.0, 3.0] [30.0, 30.0, 30.0, 30.0]", (
             r.stdout(rank))
+
+
+def test_a_receive_whose_shape_is_not_ints_is_a_clear_error_and_spoils_nothing(
+        session2: Session) -> None:
+    """A typo'd shape is refused naming it, before anything is issued, and leaves no
+    trace: the layouts of tagged messages are kept per shape, and ``(1, 4.0)`` equals
+    ``(1, 4)`` as a key (the next, right, receive once failed on the float kept)."""
+    with pytest.raises(CellError) as info:
+        session2.run("if rank == 1:\n"
+                     "    mx.distributed.recv((1, 4.0), mx.float32, 0, group=world)")
+    assert "recv: the shape must be ints, got (1, 4.0)" in str(info.value), str(info.value)
+    assert session2.state == "ready"
+    r = session2.run("if rank == 0:\n"
+                     "    mx.eval(mx.distributed.send(mx.arange(4.0)[None], 1, group=world))\n"
+                     "else:\n"
+                     "    print(mx.distributed.recv((1, 4), mx.float32, 0, group=world).tolist())")
+    assert r.stdout(1).strip() == "[[0.0, 1.0, 2.0, 3.0]]", r.stdout(1)

@@ -700,6 +700,28 @@ def test_compaction_keeps_every_unevaluated_collective_and_drops_the_evaluated(
     assert first.tolist() == [1.0, 1.0, 1.0] and not tracker.settle()
 
 
+def test_outputs_that_run_a_little_late_are_let_go_and_never_run_ones_settled(
+    tracked: Any,
+) -> None:
+    # mlx-lm's generate_step evaluates each step's outputs a step later (async_eval):
+    # a compaction finds some unevaluated. Looked at once, they stay first and are not
+    # looked at by every compaction (a prefill leaves two that never run in the cell);
+    # but as they grow they are looked at again, so the held stay bounded
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    never = [mx.distributed.all_sum(mx.ones(3) * 7, group=world) for _ in range(2)]
+    never_seqs = {tracker.seq - 1, tracker.seq}
+    lag, n, in_flight, peak = 128, 40 * 128, [], 0
+    for i in range(n):
+        in_flight.append(mx.distributed.all_sum(mx.ones(3) * i, group=world))
+        if len(in_flight) > lag:
+            mx.eval(in_flight.pop(0))
+        peak = max(peak, len(tracker._held))
+    assert peak < 8 * lag, peak  # (they grew past 2,900 when never looked at again)
+    settled = {rec.seq for rec in tracker.settle()}
+    assert never_seqs <= settled and len(settled) == lag + 2, sorted(settled)[:5]
+    assert [a.tolist() for a in never] == [[7.0, 7.0, 7.0]] * 2
+
+
 def test_rank_totals_are_the_users_collectives_only(fresh2: Session) -> None:
     # the first profiled cell probes the bandwidth (4 all_sums of 256 KiB) and
     # --check-collectives gathers signatures: neither is the user's

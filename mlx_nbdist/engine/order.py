@@ -208,7 +208,7 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     values: Any = own
     rest = kwargs if _READ.isdisjoint(kwargs) else {
         key: v for key, v in kwargs.items() if key not in _READ}
-    lay = _layout(op, shape, len(values), size)
+    lay = _layout(op, shape, len(values), size)  # a receive's shape: ints (_describe)
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None

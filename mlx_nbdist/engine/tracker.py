@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import operator
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -132,8 +133,10 @@ class Tracker:
         self._held: list[tuple[CollectiveRecord, Any, order.Tag | None]] = []
         self._held_bytes = 0
         #: how many of the first held were found unevaluated by a compaction: they are
-        #: looked at again only by one by bytes, and by settle (see _hold)
+        #: looked at again by a compaction by bytes, by one by count once there are 8
+        #: more than twice as many as at the last look (``_stale_looked``), and by settle
         self._stale = 0
+        self._stale_looked = 0
         self._compact_at = COMPACT_AT
         #: collectives whose tag says they ran with another collective (see :mod:`.order`)
         self._order: list[dict[str, Any]] = []
@@ -271,7 +274,7 @@ class Tracker:
         Returns the records it evaluated.
         """
         with self._lock:
-            held, self._held, self._stale = self._held, [], 0
+            held, self._held, self._stale, self._stale_looked = self._held, [], 0, 0
         everything_ran = _evaluated(*(a for _, a, _ in held))
         pending = [] if everything_ran else [(rec, a) for rec, a, _ in held if not _evaluated(a)]
         failed: set[int] = set()
@@ -385,7 +388,9 @@ class Tracker:
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
                 return
-            held, stale = list(self._held), (0 if by_bytes else self._stale)
+            held, stale = list(self._held), self._stale
+            if by_bytes or stale > 2 * self._stale_looked + 8:
+                stale = 0  # they are looked at too (outputs of a step in flight run soon)
         # Proving an array unevaluated walks its whole graph (_evaluated): the newest
         # outputs are most likely in the graph being built right now (a decode step's
         # next token), so a compaction by count checks the older half only; the newer
@@ -394,7 +399,9 @@ class Tracker:
         # unevaluated stay first and are not looked at again by count: some never run
         # in the cell (a prompt's last layers in mlx-lm's prefill, whose logits nobody
         # evaluates), and looking at them at every compaction made every look at the
-        # others one by one (a TP decode of 5 x 64 tokens: 2,600 looks, now 240).
+        # others one by one (a TP decode of 5 x 64 tokens: 2,600 looks, now 240). Once
+        # they grow (a step's outputs still running when looked at, which run soon after)
+        # they are looked at again, so that those that ran are let go.
         cut = len(held) if by_bytes else stale + (len(held) - stale) // 2
         older = held[stale:cut]
         if _evaluated(*(item[1] for item in older)):  # usually: one look for them all
@@ -407,6 +414,8 @@ class Tracker:
         with self._lock:
             added = self._held[len(held) :]
             self._held = held[:stale] + unran + held[cut:] + added
+            if not stale:
+                self._stale_looked = len(unran)
             self._stale = stale + len(unran)
             self._held_bytes = sum(int(a.nbytes) for _, a, _ in self._held)
             self._compact_at = max(COMPACT_AT, 2 * len(self._held))
@@ -575,7 +584,11 @@ def _input_key(tree: Any) -> Any:
 
 def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str, int | None]:
     if op == "recv":
-        shape = tuple(args[0] if args else kwargs["shape"])
+        given = args[0] if args else kwargs["shape"]
+        try:
+            shape = tuple(operator.index(d) for d in given)
+        except TypeError:
+            raise TypeError(f"recv: the shape must be ints, got {given!r}") from None
         dtype = args[1] if len(args) > 1 else kwargs["dtype"]
         src = args[2] if len(args) > 2 else kwargs.get("src")
         return shape, dtypes.dtype_name(dtype), src
