@@ -12,11 +12,11 @@ mlx_nbdist in the script). Decode tokens/s = (tokens - 1) / (time from the first
 to the last), the same measure on both sides; the tokens must agree.
 
 Both stay up for a block and take turns one generation at a time (the script serves
-a generation per line of its stdin, ``common.ServedRanks``), each side first in half
-of the pairs: this VM's speed moves by tens of percent within seconds (one generation
-read 65 and 142 tok/s in one cell), so the estimate is the median over pairs of the
-cell's tokens/s over the script's, with a 90 % interval from resampling the pairs
-(the ratio of the pooled medians beside it). A pair of processes can also stay 10-20 %
+a generation per line of its stdin, ``common.ServedRanks``), each side first in a
+third of the rounds: this VM's speed moves by tens of percent within seconds (one
+generation read 65 and 142 tok/s in one cell), so the estimate is the median over
+rounds of the cell's tokens/s over the script's, with a 90 % interval from resampling
+the rounds (the ratio of the pooled medians beside it). A pair of processes can also stay 10-20 %
 faster or slower than another for its whole life (one block of 10 pairs read 0.80x,
 the next run 1.10x, same code): each block starts a fresh session and fresh script
 ranks, and the blocks' ratios are shown.
