@@ -130,6 +130,15 @@ def _direct_env(script: Path, n: int, attempt: int) -> dict[str, str]:
     return {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
 
 
+def _try_again(script: Path, args: list[str], errors: str, last: bool,
+               notes: list[str]) -> None:
+    """After a failed start of directly started ranks: note one that failed MLX's own
+    connect (tried again on fresh ports); raise on anything else, or on the last try."""
+    if "Couldn't connect" not in errors or last:
+        raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{errors}")
+    notes.append(errors.strip()[-500:])
+
+
 def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float = 600,
                        failed: list[str] | None = None, tries: int = 3) -> list[str]:
     """Run ``script`` as ``n`` ring ranks started directly, with the environment
@@ -155,10 +164,7 @@ def run_ranks_directly(script: Path, args: list[str], n: int = 2, timeout: float
                     p.wait()
         if not any(p.returncode for p in procs):
             return [o for o, _ in outs]
-        errors = "\n".join(e for _, e in outs)
-        if "Couldn't connect" not in errors or attempt == tries - 1:
-            raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{errors}")
-        notes.append(errors.strip()[-500:])
+        _try_again(script, args, "\n".join(e for _, e in outs), attempt == tries - 1, notes)
     raise AssertionError("unreachable")
 
 
@@ -194,11 +200,8 @@ class ServedRanks:
             except RuntimeError:
                 pass
             self._end()
-            errors = "\n".join(log.read_text() for log in logs)
-            if "Couldn't connect" not in errors or attempt == self.tries - 1:
-                raise RuntimeError(f"{self.script.name} {' '.join(self.args)} failed:\n"
-                                   f"{errors[-3000:]}")
-            self.failed.append(errors.strip()[-500:])
+            _try_again(self.script, self.args, "\n".join(log.read_text() for log in logs),
+                       attempt == self.tries - 1, self.failed)
         raise AssertionError("unreachable")
 
     def ask(self, request: str) -> str:

@@ -247,12 +247,7 @@ def section_decode(d: dict) -> list[str]:
            "(90 % interval) | by block | cell / bare | bare / script |",
            "|---|---|---|---|---|---|---|---|"]
     for mode, row in d.items():
-        c, b, p = row["cell"], row.get("bare"), row["script"]
-        if "interval" not in row:  # the earlier benchmark: trials of five, no bare turn
-            out.append(f"| {mode} | {c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f}) tok/s "
-                       f"| - | {p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f}) tok/s | "
-                       f"{row['ratio']:.3f}x | - | - | - |")
-            continue
+        c, b, p = row["cell"], row["bare"], row["script"]
         lo, hi = row["interval"]
         blocks = ", ".join(f"{x:.3f}x" for x in row["ratio by block"])
         cb, bs = row["cell / bare"], row["bare / script"]
@@ -372,13 +367,10 @@ def goal_rows(results: dict) -> list[Goal]:
           two["step"]["median"] / one["step"]["median"] if one and two else None, 0.55,
           "{:.3f}x", noise)
     for mode, row in results.get("decode", {}).items():
-        noise = (f"cell {row['cell']['min']:.0f}-{row['cell']['max']:.0f}, script "
-                 f"{row['script']['min']:.0f}-{row['script']['max']:.0f} tok/s")
-        if "interval" in row:
-            noise = (f"90 % interval {row['interval'][0]:.3f}-{row['interval'][1]:.3f}x; "
-                     f"by block {min(row['ratio by block']):.3f}-"
-                     f"{max(row['ratio by block']):.3f}x; cell / bare "
-                     f"{row['cell / bare']['ratio']:.3f}x")
+        noise = (f"90 % interval {row['interval'][0]:.3f}-{row['interval'][1]:.3f}x; "
+                 f"by block {min(row['ratio by block']):.3f}-"
+                 f"{max(row['ratio by block']):.3f}x; cell / bare "
+                 f"{row['cell / bare']['ratio']:.3f}x")
         _goal(rows, "decode", f"decode tokens/s, cell vs script ({mode})", row["ratio"], 0.95,
               "{:.3f}x", noise, lower_is_better=False)
     for what, row in results.get("dashboard_cost", {}).items():

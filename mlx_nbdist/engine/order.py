@@ -110,18 +110,6 @@ def digits(index: int, base: int, n: int) -> list[int]:
     return out
 
 
-_NUMPY_DTYPES: dict[Any, tuple[np.dtype, bool]] = {}
-
-
-def _numpy_dtype(dtype: Any) -> tuple[np.dtype, bool]:
-    """How numpy reads an MLX dtype's bytes, and whether they are bfloat16's."""
-    found = _NUMPY_DTYPES.get(dtype)
-    if found is None:
-        name = dtypes.dtype_name(dtype)
-        found = _NUMPY_DTYPES[dtype] = (np.dtype(_NUMPY.get(name, name)), name == "bfloat16")
-    return found
-
-
 def _values(op: str, ds: list[int], base: int) -> list[int]:
     if op in _SUMS:
         return [v for d in ds for v in (d, d * d)]
@@ -141,21 +129,19 @@ class Tag:
     digits: list[int]
     base: int
     size: int
-    #: the values this rank sent (:func:`_values` of the digits; made when omitted)
-    own: list[int] | None = None
 
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it)."""
         t = len(self.digits) * (2 if self.rec.op in _PAIRED else 1)  # _values' length
-        kind, bits = _numpy_dtype(self.full.dtype)
-        raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=kind)
+        name = dtypes.dtype_name(self.full.dtype)
+        raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
         tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
-        if bits:  # bfloat16, which numpy lacks: its bits are a float32's upper half
+        if name == "bfloat16":  # numpy has none: its bits are a float32's upper half
             tail = (tail.astype(np.uint32) << 16).view(np.float32)
         return tail.ravel().tolist()
 
     def expected(self) -> list[int]:
-        own = self.own if self.own is not None else _values(self.rec.op, self.digits, self.base)
+        own = _values(self.rec.op, self.digits, self.base)
         if self.rec.op in _SUMS:
             return [self.size * v for v in own]
         return own * self.size if self.rec.op == "all_gather" else own
@@ -196,23 +182,21 @@ class Tag:
 
 def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, ...],
          dtype: str, peer: int | None, kwargs: dict[str, Any], index: int, base: int, n: int,
-         size: int) -> tuple[Plan, list[int], list[int]] | None:
+         size: int) -> tuple[Plan, list[int]] | None:
     """How to run collective ``op`` tagged with position ``index``: the function, its
     arguments, and what turns its output into the user's array and the output to
-    read the tag from (``None`` for a send); the position's digits, and the values
-    this rank sends for them (:class:`Tag`'s ``own``). ``x``,
+    read the tag from (``None`` for a send); and the position's digits. ``x``,
     ``shape``, ``dtype`` and ``peer`` are what the tracker read of the call (``x``:
     the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
     ds = digits(index, base, n)
-    own = _values(op, ds, base)
-    values: Any = own
+    values: Any = _values(op, ds, base)
     rest = kwargs if _READ.isdisjoint(kwargs) else {
         key: v for key, v in kwargs.items() if key not in _READ}
     lay = _layout(op, shape, len(values), size)  # a receive's shape: ints (_describe)
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None
-        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), ds, own
+        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), ds
     if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
         return None
     if lay.row:
@@ -222,7 +206,7 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     else:
         tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
     args = (tagged, peer) if op == "send" else (tagged,)
-    return (fns[op], args, rest, lay.split), ds, own
+    return (fns[op], args, rest, lay.split), ds
 
 
 @dataclass(frozen=True)

@@ -396,11 +396,11 @@ class Tracker:
         # next token), so a compaction by count checks the older half only; the newer
         # half is checked at the next one. (Checking all cost a tensor-parallel decode
         # ~4 % of its time: bench/NOTES.md, round 4.) By bytes: all of them. Those found
-        # unevaluated stay first and are not looked at again by count: some never run
-        # in the cell (a prompt's last layers in mlx-lm's prefill, whose logits nobody
-        # evaluates), and looking at them at every compaction made every look at the
-        # others one by one (a TP decode of 5 x 64 tokens: 2,600 looks, now 240). Once
-        # they grow (a step's outputs still running when looked at, which run soon after)
+        # unevaluated stay first and are not looked at by every compaction: some never
+        # run in the cell (a prompt's last layers in mlx-lm's prefill, whose logits
+        # nobody evaluates), and looking at them each time made every look at the others
+        # one by one (a TP decode of 5 x 64 tokens: 2,600 looks, now 240). Once they
+        # grow (a step's outputs still running when looked at, which run soon after)
         # they are looked at again, so that those that ran are let go.
         cut = len(held) if by_bytes else stale + (len(held) - stale) // 2
         older = held[stale:cut]
@@ -408,9 +408,9 @@ class Tracker:
             unran = []
         else:
             unran = [item for item in older if not _evaluated(item[1])]
-        gone = {id(item) for item in unran}
+        unran_ids = {id(item) for item in unran}
         # those that ran are dropped: read their tags first
-        self._read_tags([item[2] for item in older if id(item) not in gone and item[2]])
+        self._read_tags([item[2] for item in older if id(item) not in unran_ids and item[2]])
         with self._lock:
             added = self._held[len(held) :]
             self._held = held[:stale] + unran + held[cut:] + added
@@ -454,7 +454,7 @@ class Tracker:
             if found:
                 out, full = split(out)
                 if full is not None and not tracker._replaying and not traced:
-                    tag = order.Tag(rec, full, found[1], base, tracker.size, found[2])
+                    tag = order.Tag(rec, full, found[1], base, tracker.size)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
                 tracker._hold(rec, out, tag)
             return out
