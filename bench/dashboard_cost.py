@@ -10,11 +10,16 @@ closed block before it (the ratio of their medians), and the median of those pai
 ratios is the estimate, with a 90 % interval from resampling the pairs: 1 % of a
 13 ms round trip is 0.13 ms, less than this machine's drift between two blocks.
 
-So the dashboard's own work is measured too: the wall-clock time its polling thread
-spent in refreshes (waits for the GIL or a core included) over the time it was open.
-A refresh delays a cell only when the two overlap, and by at most its own length, so
-the expected cost to a cell much longer than a refresh (about 1 ms) is at most that
-share; a cell of length L pays at most share x (1 + refresh / L).
+So the dashboard's own work is measured too, three ways, over the time it was open:
+the CPU time its polling thread spent in refreshes (``time.thread_time``), the
+wall-clock time it spent in them (waits for the GIL or a core included), and the
+kernel process's CPU time per second, open against closed (every thread: the
+widgets' messages leave through the kernel's iopub thread; opening and closing the
+dashboard left out). A refresh takes from a
+cell what it runs while the cell's thread or the ranks want the GIL or a core: at
+most its CPU time, so the CPU share bounds what it costs a cell much longer than one
+refresh. The wall share counts the waits too, while the cell's thread runs: an
+upper bound of that bound.
 """
 
 from __future__ import annotations
@@ -30,20 +35,27 @@ RANKS = 2
 BLOCKS = 32
 PER_BLOCK = {"round trip": 16, "tp step": 3}
 CELLS = {"round trip": "%%mlxdist\npass", "tp step": "%%mlxdist\nstep()"}
+# a block starts (after the dashboard opened): the kernel's wall clock and CPU time
+MARK = "import time as _t\n_opened, _cpu0 = _t.perf_counter(), _t.process_time()"
 OPEN = """
 import time as _t
 from mlx_nbdist.viz.dashboard import dashboard as _dash
 _d = _dash()
-_spent, _opened, _refresh = [0.0], _t.perf_counter(), _d.refresh
-def _timed_refresh():  # the polling thread's time in refreshes (wall clock)
-    t = _t.perf_counter()
+_spent, _refresh = [0.0, 0.0], _d.refresh
+def _timed_refresh():  # the polling thread's time in refreshes: wall clock, its CPU
+    t, c = _t.perf_counter(), _t.thread_time()
     try:
         return _refresh()
     finally:
         _spent[0] += _t.perf_counter() - t
+        _spent[1] += _t.thread_time() - c
 _d.refresh = _timed_refresh
-"""
-CLOSE = "_d.close()\nprint(_spent[0], _t.perf_counter() - _opened)"
+""" + MARK
+# a block ends (before the dashboard closes): wall, the kernel's CPU, and (open) the
+# refreshes' wall and CPU
+END = "print(_t.perf_counter() - _opened, _t.process_time() - _cpu0)"
+CLOSE = ("_took = _t.perf_counter() - _opened, _t.process_time() - _cpu0\n"
+         "_d.close()\nprint(*_took, *_spent)")
 
 
 def main() -> dict:
@@ -53,11 +65,11 @@ def main() -> dict:
         fe.run_ok("%%mlxdist\n" + TP_SETUP + "\nstep()")
         # blocks[what][b]: the times of block b (even: closed, odd: open)
         blocks: dict[str, list[list[float]]] = {what: [] for what in CELLS}
-        spent = wall = 0.0
+        spent = spent_cpu = wall = 0.0
+        kernel_cpu: dict[bool, list[float]] = {False: [0.0, 0.0], True: [0.0, 0.0]}
         for b in range(BLOCKS):
             opened = b % 2 == 1
-            if opened:
-                fe.run_ok(OPEN)
+            fe.run_ok(OPEN if opened else MARK)
             for what, code in CELLS.items():
                 block = []
                 for _ in range(PER_BLOCK[what]):
@@ -66,15 +78,21 @@ def main() -> dict:
                         raise RuntimeError(f"{code!r} failed: {reply['content']}")
                     block.append(took)
                 blocks[what].append(block)
+            took, cpu, *used = map(float, fe.run_ok(CLOSE if opened else END).split())
+            kernel_cpu[opened][0] += cpu
+            kernel_cpu[opened][1] += took
             if opened:
-                used, open_for = map(float, fe.run_ok(CLOSE).split())
-                spent, wall = spent + used, wall + open_for
+                spent, spent_cpu, wall = spent + used[0], spent_cpu + used[1], wall + took
         fe.run_ok("%mlxdist stop")
     finally:
         fe.close()
     out = {what: summarise(bs) for what, bs in blocks.items()}
     for row in out.values():
         row["refresh time share"] = spent / wall
+        row["refresh cpu share"] = spent_cpu / wall
+        # the kernel's CPU (cores busy) open minus closed
+        row["kernel cpu open - closed"] = (kernel_cpu[True][0] / kernel_cpu[True][1]
+                                           - kernel_cpu[False][0] / kernel_cpu[False][1])
     return out
 
 

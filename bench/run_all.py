@@ -267,27 +267,31 @@ def section_dashboard(d: dict) -> list[str]:
            "*Paired*: the median over pairs of blocks (a closed block, then an open one) "
            "of the ratio of their medians, with a 90 % interval from resampling the "
            "pairs; *pooled*: the ratio of the medians of all open and all closed cells. "
-           "*Refreshes*: the wall-clock time the polling thread spent in refreshes over "
-           "the time the dashboard was open: a refresh delays a cell only when they "
-           "overlap, by at most its own length, so this share bounds what it costs a cell "
-           "much longer than one refresh (about 1 ms).",
+           "*Refreshes*: the polling thread's CPU time in refreshes over the time the "
+           "dashboard was open, and its wall-clock time in them (waits for the GIL or a "
+           "core included): a refresh takes from a cell at most what it runs, so the CPU "
+           "share bounds what it costs a cell much longer than one refresh (about 1 ms); "
+           "*kernel CPU*: the kernel process's CPU (every thread, cores busy) per second "
+           "open minus closed.",
            "",
            "| cell | closed (median / p95) | open (median / p95) | pooled | paired "
-           "(90 % interval) | refreshes |",
-           "|---|---|---|---|---|---|"]
+           "(90 % interval) | refreshes: CPU / wall | kernel CPU, open - closed |",
+           "|---|---|---|---|---|---|---|"]
     for what, row in d.items():
         c, o = row["closed"], row["open"]
         pooled = row.get("pooled ratio", row["ratio"])
         paired = (f"{row['ratio']:.3f}x ({row['interval'][0]:.3f}-{row['interval'][1]:.3f}, "
                   f"{row['pairs']} pairs)" if "interval" in row else "-")
+        kernel = row.get("kernel cpu open - closed")
         out.append(f"| {what} | {ms(c['median'])} / {ms(c['p95'])} | "
                    f"{ms(o['median'])} / {ms(o['p95'])} | {pooled:.3f}x | {paired} | "
-                   f"{_share(row)} |")
+                   f"{_share(row, 'refresh cpu share')} / {_share(row)} | "
+                   f"{'-' if kernel is None else f'{kernel * 100:+.2f} %'} |")
     return out + [""]
 
 
-def _share(row: dict) -> str:
-    share = row.get("refresh time share")
+def _share(row: dict, key: str = "refresh time share") -> str:
+    share = row.get(key)
     return "-" if share is None else f"{share * 100:.2f} %"
 
 
@@ -381,12 +385,15 @@ def goal_rows(results: dict) -> list[Goal]:
         lo, hi = ((x - 1) * 100 for x in row["interval"])
         timed = (row["ratio"] - 1) * 100
         share = row["refresh time share"] * 100
-        # timed open vs closed cannot resolve 1 % here: the refreshes' own share of the
+        cpu = row["refresh cpu share"] * 100
+        # timed open vs closed cannot resolve 1 % here: the refreshes' CPU share of the
         # time bounds the cost; met when it is under 1 % and the timing does not exclude it
         rows.append(Goal("dashboard_cost", f"open dashboard, {what}",
-                         f"{timed:+.1f} % timed; refreshes {share:.2f} % of the time",
-                         share <= 1.0 and lo <= 1.0,
-                         f"timed: 90 % interval {lo:+.1f} to {hi:+.1f} % (paired blocks)",
+                         f"{timed:+.1f} % timed; refreshes {cpu:.2f} % CPU "
+                         f"({share:.2f} % wall)",
+                         cpu <= 1.0 and lo <= 1.0,
+                         f"timed: 90 % interval {lo:+.1f} to {hi:+.1f} % (paired blocks); "
+                         f"kernel CPU {row['kernel cpu open - closed'] * 100:+.2f} % of a core",
                          label="met (refreshes)"))
     sl = results.get("slices", {}).get("slices(), shared-memory pool")
     noise = "-"

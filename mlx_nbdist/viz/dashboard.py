@@ -5,7 +5,7 @@
     VBox .mlxdist-dashboard
     ├── HTML .mlxdist-header     session id · backend · launcher · N ranks · uptime · state
     ├── HBox .mlxdist-controls   [Interrupt] [Restart] [Stop]  HTML .mlxdist-message
-    ├── VBox .mlxdist-ranks      column titles, then one GridBox .mlxdist-rank-row per rank:
+    ├── HTML .mlxdist-ranks      column titles, then one grid .mlxdist-rank-row per rank:
     │                            rank | state | running cell (for how long) | last cell
     │                            (duration, ok / error type) | MLX device | MLX memory
     │                            (active / peak) | RSS · CPU | collectives · bytes moved
@@ -21,7 +21,11 @@
 
 **Updates.** The ranks publish their state every 0.25 s (``engine/monitor.py``) and a
 daemon thread of the dashboard reads it every ``interval`` seconds (default 0.5);
-widget traits only send a message when a value changed. The thread never touches
+widget traits only send a message when a value changed. The rank table is one HTML
+widget, not a widget per cell: a refresh during a cell changes most cells (running
+time, CPU, memory, collectives), and each changed widget is one message on the
+kernel's iopub channel, about 0.1 ms of the kernel's CPU each; with a widget per
+cell a refresh of 2 ranks sent 11-12 messages, now 2-4. The thread never touches
 the ipyparallel client, so it never blocks or disturbs a running cell. A rank whose
 process is gone shows ``dead`` at the next poll; one whose monitor stopped
 publishing for ``stale_after`` seconds (process stopped, or stuck holding the GIL)
@@ -160,6 +164,47 @@ def _shape(s: tuple[int, ...] | None, elsewhere: bool = False) -> str:
     return "(" + ", ".join(map(str, s)) + ")"
 
 
+def _cells(rank: int, vals: dict[str, str]) -> dict[str, str]:
+    """A rank's row as HTML per column: the rank in its colour, the state as a badge."""
+    out = {}
+    for key, text in vals.items():
+        if key == "state":
+            color = STATE_COLORS.get(text, "#333")
+            out[key] = (
+                f'<span class="mlxdist-badge" data-state="{html.escape(text)}" '
+                f'style="color:#fff; background:{color}; padding:1px 6px; '
+                f'border-radius:8px">{html.escape(text)}</span>'
+            )
+        elif key == "rank":
+            out[key] = f'<b style="color:{rank_hex(rank)}">rank {rank}</b>'
+        else:
+            out[key] = html.escape(text)
+    return out
+
+
+_GRID = (
+    "display:grid; grid-template-columns:"
+    + " ".join(width for _, _, width in COLUMNS)
+    + "; gap:0 6px"
+)
+
+
+_CELL_CLASS = {"state": ' class="mlxdist-state"'}
+
+
+def _rank_table(rows: dict[int, dict[str, str]]) -> str:
+    """The column titles, then a grid ``.mlxdist-rank-row`` (``data-rank``) per rank."""
+    titles = "".join(f"<div><b>{t}</b></div>" for _, t, _ in COLUMNS)
+    body = "".join(
+        f'<div class="mlxdist-rank-row" data-rank="{r}" style="{_GRID}">'
+        + "".join(f'<div{_CELL_CLASS.get(key, "")} data-col="{key}">{cells.get(key, "")}</div>'
+                  for key, _, _ in COLUMNS)
+        + "</div>"
+        for r, cells in rows.items()
+    )  # fmt: skip
+    return f'<div style="{_GRID}">{titles}</div>{body}'
+
+
 # --------------------------------------------------------------------------- dashboard
 
 
@@ -190,7 +235,6 @@ class Dashboard:
     ):
         import ipywidgets as w
 
-        self._w = w
         self._session = session
         self.model = model
         self.interval = interval
@@ -227,9 +271,9 @@ class Dashboard:
         self.hint = w.HTML()
         self.controls = w.HBox([*self.buttons.values(), self.message])
         self.controls.add_class("mlxdist-controls")
-        self.titles = self._grid([w.HTML(f"<b>{t}</b>") for _, t, _ in COLUMNS])
-        self.rows: dict[int, dict[str, Any]] = {}
-        self.ranks_box = w.VBox([self.titles])
+        #: each rank's cells as shown (HTML per column key); the table is one widget
+        self.rows: dict[int, dict[str, str]] = {}
+        self.ranks_box = w.HTML(_rank_table({}))
         self.ranks_box.add_class("mlxdist-ranks")
         self.progress = ProgressPanel()
         self.model_box = w.HTML()
@@ -276,26 +320,6 @@ class Dashboard:
         if s is not None and s.state == "ready":
             s.apply(watch_model, model)
 
-    # -- widgets -----------------------------------------------------------------
-    def _grid(self, children: list[Any]) -> Any:
-        w = self._w
-        cols = " ".join(width for _, _, width in COLUMNS)
-        return w.GridBox(children, layout=w.Layout(grid_template_columns=cols, grid_gap="0 6px"))
-
-    def _row(self, rank: int) -> dict[str, Any]:
-        w = self._w
-        cells = {key: w.HTML() for key, _, _ in COLUMNS}
-        cells["state"].add_class("mlxdist-state")
-        box = self._grid(list(cells.values()))
-        box.add_class("mlxdist-rank-row")
-        return {"box": box, "cells": cells}
-
-    def _ensure_rows(self, n: int) -> None:
-        if sorted(self.rows) == list(range(n)):
-            return
-        self.rows = {r: self.rows.get(r) or self._row(r) for r in range(n)}
-        self.ranks_box.children = [self.titles, *(self.rows[r]["box"] for r in range(n))]
-
     # -- refresh -----------------------------------------------------------------
     def refresh(self) -> dict[str, Any]:
         """Read the ranks' state once and update every widget; returns :meth:`values`."""
@@ -306,7 +330,6 @@ class Dashboard:
             ranks: dict[int, dict[str, str]] = {}
             records: dict[int, dict[str, Any]] = {}
             if s is not None:
-                self._ensure_rows(s.n)
                 records = (
                     {r: s.rank_record(r) for r in range(s.n)} if s.directory is not None else {}
                 )
@@ -318,11 +341,10 @@ class Dashboard:
                 if sstate in ("ready", "broken") and s.stopping:
                     sstate = "stopped"  # stop() is ending the engines: not dead ranks
                 for r, st in states.items():
-                    vals = rank_values(
+                    ranks[r] = rank_values(
                         st, now=now, stale_after=self.stale_after, session_state=sstate
                     )
-                    ranks[r] = vals
-                    self._show_row(r, vals)
+                self._show_rows(ranks)
                 bars, scalars = collect(records)
                 self.progress.update(bars, scalars, {r: v["state"] for r, v in ranks.items()})
                 self.memory.update(records)
@@ -347,22 +369,12 @@ class Dashboard:
             }
             return self._values
 
-    def _show_row(self, rank: int, vals: dict[str, str]) -> None:
-        cells = self.rows[rank]["cells"]
-        for key, text in vals.items():
-            if key == "state":
-                color = STATE_COLORS.get(text, "#333")
-                value = (
-                    f'<span class="mlxdist-badge" data-state="{html.escape(text)}" '
-                    f'style="color:#fff; background:{color}; padding:1px 6px; '
-                    f'border-radius:8px">{html.escape(text)}</span>'
-                )
-            elif key == "rank":
-                value = f'<b style="color:{rank_hex(rank)}">rank {rank}</b>'
-            else:
-                value = html.escape(text)
-            if cells[key].value != value:
-                cells[key].value = value
+    def _show_rows(self, ranks: dict[int, dict[str, str]]) -> None:
+        """The rank table: one message to the front end, and only when it changed."""
+        self.rows = {r: _cells(r, vals) for r, vals in sorted(ranks.items())}
+        table = _rank_table(self.rows)
+        if self.ranks_box.value != table:
+            self.ranks_box.value = table
 
     def _show_comm(self, s: Any) -> None:
         """The last profiled cell's summary (recomputed only when a new one arrived)."""
@@ -471,11 +483,9 @@ class Dashboard:
 
     def _all_widgets(self) -> list[Any]:
         out = [self.widget, self.header, self.controls, self.message, self.hint,
-               self.ranks_box, self.titles, self.model_box, self.progress.widget,
+               self.ranks_box, self.model_box, self.progress.widget,
                self.memory_box, self.comm_box, self.where_box,
                *self.buttons.values()]  # fmt: skip
-        for row in self.rows.values():
-            out += [row["box"], *row["cells"].values()]
         return out
 
     # -- controls ----------------------------------------------------------------
