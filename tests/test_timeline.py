@@ -722,6 +722,50 @@ def test_outputs_that_run_a_little_late_are_let_go_and_never_run_ones_settled(
     assert [a.tolist() for a in never] == [[7.0, 7.0, 7.0]] * 2
 
 
+def test_a_settle_while_another_thread_compacts_loses_no_collective(
+    tracked: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a cell's threads may issue collectives: the one that reaches the compaction's
+    # count looks at its snapshot of the held outputs outside the lock, and the cell's
+    # end may settle them meanwhile. Every collective must still be settled once (one
+    # lost runs in a later cell and pairs with another collective there)
+    import threading
+
+    from mlx_nbdist.engine import tracker as tracker_mod
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    looking, go_on = threading.Event(), threading.Event()
+    real = tracker_mod._evaluated
+
+    def slow_look(*arrays: Any) -> bool:
+        if threading.current_thread().name == "compacting":
+            looking.set()
+            go_on.wait(10)
+        return real(*arrays)
+
+    monkeypatch.setattr(tracker_mod, "_evaluated", slow_look)
+    # unevaluated, made here: MLX evaluates an array only in the thread that made it
+    outs = [mx.distributed.all_sum(mx.ones(2) * i, group=world)
+            for i in range(tracker_mod.COMPACT_AT - 1)]  # fmt: skip
+
+    def last() -> None:  # the collective that starts a compaction, in another thread
+        mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))
+
+    a = threading.Thread(target=last, name="compacting")
+    a.start()
+    assert looking.wait(10)  # thread a is inside its compaction, the lock released
+    threading.Timer(0.5, go_on.set).start()  # (settle waits for the compaction)
+    settled = [[r.seq for r in tracker.settle()]]  # the cell's end
+    late = mx.distributed.all_sum(mx.ones(2) * 100, group=world)
+    late_seq = tracker.seq
+    a.join(10)
+    settled.append([r.seq for r in tracker.settle()])
+    seqs = [q for batch in settled for q in batch]
+    assert len(seqs) == len(set(seqs)), f"a collective was settled twice: {settled}"
+    assert late_seq in seqs, f"a collective issued meanwhile was lost: {settled}"
+    assert len(seqs) == len(outs) + 1 and late.tolist() == [100.0, 100.0]
+
+
 def test_rank_totals_are_the_users_collectives_only(fresh2: Session) -> None:
     # the first profiled cell probes the bandwidth (4 all_sums of 256 KiB) and
     # --check-collectives gathers signatures: neither is the user's

@@ -103,6 +103,10 @@ class Tracker:
         self.check = False
         self._orig: dict[str, Any] = {}
         self._lock = threading.Lock()
+        #: held by the one compaction in flight (it looks at a snapshot of the held
+        #: outside ``_lock``) and by settle's taking of the held: a cell's threads may
+        #: issue collectives while another compacts or the cell's end settles
+        self._compacting = threading.Lock()
         self._replaying = False
         #: per thread: how deep in functions mx.compile / mx.vmap transform (tracing())
         self._transforms = threading.local()
@@ -273,7 +277,7 @@ class Tracker:
         lacks) is skipped: it never runs, so it cannot pair with anything either.
         Returns the records it evaluated.
         """
-        with self._lock:
+        with self._compacting, self._lock:
             held, self._held, self._stale, self._stale_looked = self._held, [], 0, 0
         everything_ran = _evaluated(*(a for _, a, _ in held))
         pending = [] if everything_ran else [(rec, a) for rec, a, _ in held if not _evaluated(a)]
@@ -388,6 +392,16 @@ class Tracker:
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
                 return
+        if not self._compacting.acquire(blocking=False):
+            return  # another thread compacts now; the next collective tries again
+        try:
+            self._compact(by_bytes)
+        finally:
+            self._compacting.release()
+
+    def _compact(self, by_bytes: bool) -> None:
+        """Let go of the held outputs that ran (their tags read first)."""
+        with self._lock:
             held, stale = list(self._held), self._stale
             if by_bytes or stale > 2 * self._stale_looked + 8:
                 stale = 0  # they are looked at too (outputs of a step in flight run soon)
