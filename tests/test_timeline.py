@@ -748,17 +748,25 @@ def test_a_settle_while_another_thread_compacts_loses_no_collective(
     outs = [mx.distributed.all_sum(mx.ones(2) * i, group=world)
             for i in range(tracker_mod.COMPACT_AT - 1)]  # fmt: skip
 
+    failed: list[BaseException] = []
+
     def last() -> None:  # the collective that starts a compaction, in another thread
-        mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))
+        try:
+            mx.eval(mx.distributed.all_sum(mx.ones(2), group=world))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            failed.append(e)
 
     a = threading.Thread(target=last, name="compacting")
     a.start()
     assert looking.wait(10)  # thread a is inside its compaction, the lock released
-    threading.Timer(0.5, go_on.set).start()  # (settle waits for the compaction)
+    threading.Timer(0.5, go_on.set).start()
+    t0 = time.monotonic()
     settled = [[r.seq for r in tracker.settle()]]  # the cell's end
+    assert time.monotonic() - t0 > 0.4  # it waited for the compaction
     late = mx.distributed.all_sum(mx.ones(2) * 100, group=world)
     late_seq = tracker.seq
     a.join(10)
+    assert not a.is_alive() and not failed, failed
     settled.append([r.seq for r in tracker.settle()])
     seqs = [q for batch in settled for q in batch]
     assert len(seqs) == len(set(seqs)), f"a collective was settled twice: {settled}"

@@ -234,7 +234,8 @@ class Tracker:
         self.cell = cell
         self.active_ranks = active_ranks
         self.check = check
-        self._begin_ledger()
+        with self._compacting, self._lock:  # (a thread of the last cell may compact)
+            self._begin_ledger()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -392,12 +393,16 @@ class Tracker:
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
                 return
-        if not self._compacting.acquire(blocking=False):
-            return  # another thread compacts now; the next collective tries again
+        # another thread compacting now: the next collective tries again. (Acquired
+        # inside the try, so that an interrupt cannot leave it held: settle waits on it.)
+        acquired = False
         try:
-            self._compact(by_bytes)
+            acquired = self._compacting.acquire(blocking=False)
+            if acquired:
+                self._compact(by_bytes)
         finally:
-            self._compacting.release()
+            if acquired:
+                self._compacting.release()
 
     def _compact(self, by_bytes: bool) -> None:
         """Let go of the held outputs that ran (their tags read first)."""

@@ -25,7 +25,7 @@ widget traits only send a message when a value changed. The rank table is one HT
 widget, not a widget per cell: a refresh during a cell changes most cells (running
 time, CPU, memory, collectives), and each changed widget is one message on the
 kernel's iopub channel, about 0.1 ms of the kernel's CPU each; with a widget per
-cell a refresh of 2 ranks sent 11-12 messages, now 2-4. The thread never touches
+cell a refresh of 2 ranks sent 11-12 messages, now 2-3. The thread never touches
 the ipyparallel client, so it never blocks or disturbs a running cell. A rank whose
 process is gone shows ``dead`` at the next poll; one whose monitor stopped
 publishing for ``stale_after`` seconds (process stopped, or stuck holding the GIL)
