@@ -255,9 +255,8 @@ def test_auto_mode_and_live_dashboard_button_in_an_ordinary_kernel(py_kernel: Ke
 
 
 def _wait_for_busy_badges(k: Kernel, timeout: float) -> None:
-    """Read IOPub until the dashboard's widgets show both ranks busy."""
+    """Read IOPub until the dashboard's rank table (one widget) shows both ranks busy."""
     t_end = time.monotonic() + timeout
-    busy: set[str] = set()
     while time.monotonic() < t_end:
         try:
             msg = k.kc.get_iopub_msg(timeout=1)
@@ -266,10 +265,9 @@ def _wait_for_busy_badges(k: Kernel, timeout: float) -> None:
         if msg["msg_type"] != "comm_msg":
             continue
         value = str(msg["content"]["data"].get("state", {}).get("value", ""))
-        if 'data-state="busy"' in value:
-            busy.add(msg["content"]["comm_id"])
-            if len(busy) >= 2:
-                return
+        rows = value.split('class="mlxdist-rank-row"')[1:]
+        if len(rows) == 2 and all('data-state="busy"' in row for row in rows):
+            return
     raise AssertionError("the dashboard never showed both ranks busy")
 
 
