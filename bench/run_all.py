@@ -272,7 +272,9 @@ def section_dashboard(d: dict) -> list[str]:
            "core included): a refresh takes from a cell at most what it runs, so the CPU "
            "share bounds what it costs a cell much longer than one refresh (about 1 ms); "
            "*kernel CPU*: the kernel process's CPU (every thread, cores busy) per second "
-           "open minus closed.",
+           "open minus closed, opening and closing left out: it counts what the refresh "
+           "thread's CPU leaves out (the iopub thread's sends of its messages), but within "
+           "this VM's noise.",
            "",
            "| cell | closed (median / p95) | open (median / p95) | pooled | paired "
            "(90 % interval) | refreshes: CPU / wall | kernel CPU, open - closed |",
