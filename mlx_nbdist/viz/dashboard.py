@@ -482,11 +482,10 @@ class Dashboard:
                 pass
 
     def _all_widgets(self) -> list[Any]:
-        out = [self.widget, self.header, self.controls, self.message, self.hint,
-               self.ranks_box, self.model_box, self.progress.widget,
-               self.memory_box, self.comm_box, self.where_box,
-               *self.buttons.values()]  # fmt: skip
-        return out
+        return [self.widget, self.header, self.controls, self.message, self.hint,
+                self.ranks_box, self.model_box, self.progress.widget,
+                self.memory_box, self.comm_box, self.where_box,
+                *self.buttons.values()]  # fmt: skip
 
     # -- controls ----------------------------------------------------------------
     def _say(self, text: str) -> str:
