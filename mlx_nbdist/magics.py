@@ -40,7 +40,7 @@ from .errors import (
 )
 from .history import ExportError, note_entry
 from .results import count
-from .session import Session
+from .session import Session, others_pids
 from .viz.cells import display_cell
 from .viz.live import LiveOutput
 from .viz.progress import LiveCell
@@ -357,7 +357,7 @@ class MLXDist(Magics):
                 self._guard(session.start, progress.update)
         except KeyboardInterrupt:
             # Session.start ended what it had started before re-raising
-            raise UsageError(_interrupted_start(before)) from None
+            raise UsageError(_interrupted_start(before, session=session)) from None
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
         progress.keep(session.notes)
@@ -383,7 +383,7 @@ class MLXDist(Magics):
             with _Progress() as progress:
                 self._guard(s.restart, progress.update)
         except KeyboardInterrupt:
-            raise UsageError(_interrupted_start(before, "restart")) from None
+            raise UsageError(_interrupted_start(before, "restart", session=s)) from None
         progress.keep(s.notes)
         print(_describe(s, ranks=True))
 
@@ -595,15 +595,18 @@ def _usage(command: str, fn: Any) -> Any:
     return call
 
 
-def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0) -> str:
-    """The one line a Ctrl-C during ``%mlxdist start`` (or ``restart``) shows.
+def _interrupted_start(before: set[int], what: str = "start", wait: float = 5.0,
+                       session: Session | None = None) -> str:
+    """The one line a Ctrl-C during ``%mlxdist start`` (or ``restart``) of ``session``
+    shows.
 
     ``Session.start`` tears down what it launched before re-raising; ipyparallel's
     nannies take a few seconds to follow. What is still there after ``wait`` seconds
     (an interrupt that landed before the session knew of a process) is ended here, by
-    PID and start time: it is this kernel's child, launched by this start.
+    PID and start time: it is this kernel's child, launched by this start, unless
+    another session of this kernel runs it (its spare, brought up meanwhile).
     """
-    left = processes.end_started_since(before, wait)
+    left = processes.end_started_since(before, wait, others=lambda: others_pids(session))
     again = "" if what == "start" else " (the session is stopped: %mlxdist restart starts it)"
     if not left:
         return f"{what} interrupted; nothing is left running{again}"

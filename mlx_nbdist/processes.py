@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,19 +106,27 @@ def started_since(before: set[int]) -> list[psutil.Process]:
     return out
 
 
-def end_started_since(before: set[int], wait: float = 5.0) -> list[psutil.Process]:
+def end_started_since(before: set[int], wait: float = 5.0,
+                      others: Callable[[], set[int]] = set) -> list[psutil.Process]:
     """After an interrupted start: wait up to ``wait`` s for what it launched since
     ``before`` to go (ipyparallel's nannies follow their engines within seconds),
-    end what is still there by PID and start time, and return what is left."""
+    end what is still there by PID and start time, and return what is left.
+    ``others()``: the PIDs of other sessions of this process, launched meanwhile too
+    (a spare brought up in the background), which are not the start's to end."""
+
+    def left() -> list[psutil.Process]:
+        theirs = others()
+        return [p for p in started_since(before) if p.pid not in theirs]
+
     t_end = time.monotonic() + wait
-    left = started_since(before)
-    while left and time.monotonic() < t_end:
+    found = left()
+    while found and time.monotonic() < t_end:
         time.sleep(0.1)
-        left = started_since(before)
-    if left:
-        end_pids([x for p in left if (x := identity(p))])
-        left = started_since(before)
-    return left
+        found = left()
+    if found:
+        end_pids([x for p in found if (x := identity(p))])
+        found = left()
+    return found
 
 
 def identity(p: int | psutil.Process) -> tuple[int, float] | None:

@@ -9,6 +9,7 @@ the wrong object, and identical failures on several ranks reported once.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbdist import CellError, Session, api
+from mlx_nbdist.session.spare import SpareState
 from mlx_nbdist.viz import human_bytes
 
 from .conftest import descendants, is_ours, strip_ansi, wait_gone
@@ -243,7 +245,15 @@ def test_ctrl_c_during_start_is_one_line_and_leaves_nothing(
     assert "UsageError: start interrupted; nothing is left running" in text
     assert "KeyboardInterrupt" not in text
     assert api.current_session(required=False) is None
-    started = [p.pid for p in descendants() if p.pid not in before and is_ours(p)]
+    # the other session's spare may be coming up meanwhile (it starts once that
+    # session is idle): its processes are its own, and the start must leave them alone
+    t_end = time.monotonic() + 60
+    while session2.spare_state == SpareState.STARTING and time.monotonic() < t_end:
+        time.sleep(0.1)
+    assert session2.spare_state in (SpareState.READY, SpareState.NOT_YET)
+    theirs = session2.own_pids()
+    started = [p.pid for p in descendants()
+               if p.pid not in before and p.pid not in theirs and is_ours(p)]
     assert wait_gone(started, timeout=1.0) == []
     assert session2.state == "ready"  # the other session was not touched
     monkeypatch.undo()

@@ -13,6 +13,7 @@ from .core import (
     Session,
     SessionState,
     SessionStatus,
+    others_pids,
 )
 from .formation import RankPlace
 
@@ -24,4 +25,5 @@ __all__ = [
     "Session",
     "SessionState",
     "SessionStatus",
+    "others_pids",
 ]

@@ -541,6 +541,23 @@ class Session:
             return []
         return self.cluster.processes(self.group.local_pids() if self.group else [])
 
+    def own_pids(self) -> set[int]:
+        """The PIDs of every local process this session runs, its spare's included
+        (launched already, registered or not), and their descendants: what no other
+        start may end."""
+        spare = self._spare
+        clusters = [(c, pids) for c, pids in ((self.cluster, self.group.local_pids()
+                                               if self.group else []),
+                                              (spare.cluster if spare else None, []))
+                    if c is not None]
+        out: set[int] = set()
+        for cluster, rank_pids in clusters:
+            tops = [pid for pid, _ in cluster.processes(rank_pids)]
+            tops += [cluster.watchdog] if cluster.watchdog else []
+            for pid in tops:
+                out.update((pid, *processes.children(pid)))
+        return out
+
     def _write_record(self, stopped: bool = False) -> None:
         """The record the watchdog and ``%mlxdist cleanup`` read, of this session's
         cluster."""
@@ -1034,6 +1051,17 @@ def _check_timeout(timeout: Any) -> float | None:
     if not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     return float(timeout)
+
+
+def others_pids(session: Session | None) -> set[int]:
+    """:meth:`Session.own_pids` of every live session of this process but ``session``:
+    what a start interrupted while another session runs (or brings up its spare) must
+    leave alone."""
+    out: set[int] = set()
+    for s in list(_LIVE):
+        if s is not session:
+            out |= s.own_pids()
+    return out
 
 
 @atexit.register
