@@ -208,6 +208,13 @@ def section_trace_cost(d: dict) -> list[str]:
         if hook is not None:
             out += ["", f"Recorder off: {hook:.0f} ns per collective (the hook alone, timed "
                         "in one process)."]
+        wrapper = rows.get("wrapper, us per collective")
+        if wrapper is not None:
+            out += ["", f"The tracker's whole wrapper (record, order tag, hold, compactions, "
+                        f"tag reads): +{wrapper['wall']:.1f} us wall and +{wrapper['cpu']:.1f} us "
+                        "of the calling thread's CPU per collective, over the collective's own "
+                        "call (timed in one process on a stand-in for a 2-rank `all_sum` of a "
+                        "decoded token's activations; bench/trace_cost.py)."]
         summary = (rows.get("tp step") or {}).get("profiled summary")
         if summary:
             out += ["", f"A profiled TP step reads: `{summary}`"]

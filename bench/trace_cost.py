@@ -10,6 +10,12 @@
   in the tracker's wrapper), timed in this process: with it, "off" cannot differ
   measurably from a tracker without the hook (a TP step issues a handful of
   collectives in hundreds of milliseconds).
+* The tracker's whole wrapper per collective (record, order tag, hold, the held
+  outputs' compactions and tag reads), timed in this process on a stand-in for a
+  2-rank group's ``all_sum`` (MLX's own op, ``x * 2``): a decoded token's activations
+  (1 x 1 x 512 float32) through the wrapper and straight to the stand-in, taking
+  turns, a cell of 512 collectives each (evaluated 8 at a time, as a 4-layer decode
+  step issues them), the same positions every cell (as cells that run again do).
 
 Needs ``Session.run(..., profile=True)`` (issue 17's wiring in session/core.py).
 """
@@ -50,6 +56,50 @@ def hook_ns(calls: int = 1_000_000) -> float:
     return max(best, 0.0) / calls * 1e9
 
 
+def wrapper_us(cells: int = 15, per_cell: int = 512) -> dict:
+    """Microseconds per collective that the tracker's wrapper adds (wall, and CPU of
+    the calling thread), over the stand-in called directly: medians over cells."""
+    import statistics
+
+    import mlx.core as mx
+
+    from mlx_nbdist.engine.tracker import Tracker
+
+    class Group:  # two ranks, as the wrapper sees them: it tags for a group of 2
+        def size(self) -> int:
+            return 2
+
+    def stand_in(x, *, group=None, stream=None):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    tracker = Tracker(Group(), 0, 2, backend="ring")
+    tracker._orig["all_sum"] = stand_in  # what the wrapper calls, tagged
+    wrapped = tracker._wrap("all_sum", stand_in)
+    x = mx.ones((1, 1, 512))
+    mx.eval(x)
+
+    def cell(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+        y, w0, c0 = x, time.perf_counter(), time.thread_time()
+        for i in range(per_cell):
+            y = fn(y) * 0.5
+            if i % 8 == 7:
+                mx.eval(y)
+        mx.eval(y)
+        return time.perf_counter() - w0, time.thread_time() - c0
+
+    got: dict[str, list[tuple[float, float]]] = {"tracked": [], "direct": []}
+    for c in range(cells + 1):
+        for key, fn in (("tracked", wrapped), ("direct", stand_in))[:: 1 if c % 2 else -1]:
+            tracker.begin_cell(c, None, False)
+            t = cell(fn)
+            tracker.settle()
+            if c:  # the first: warm-up
+                got[key].append(t)
+    return {what: statistics.median(a[i] - b[i] for a, b in zip(got["tracked"], got["direct"],
+                                                                 strict=True)) / per_cell * 1e6
+            for i, what in enumerate(("wall", "cpu"))}
+
+
 def _values(result) -> list[float]:  # type: ignore[no-untyped-def]
     return [float(v) for v in result.ranks[0].result_text.strip("[]").split(",")]
 
@@ -87,6 +137,7 @@ def measure(n: int = 2, runs: int = 100, trials: int = 5, reps: int = 4) -> dict
         s.run("step()", profile=True)
         out["tp step"]["profiled summary"] = s.timeline().summary()
     out["recorder-off hook, ns per collective"] = hook_ns()
+    out["wrapper, us per collective"] = wrapper_us()
     return out
 
 
@@ -101,6 +152,7 @@ if __name__ == "__main__":
     import json
 
     if sys.argv[1:] == ["--hook"]:  # runs without engines or wiring
-        print(json.dumps({"recorder-off hook, ns per collective": hook_ns()}))
+        print(json.dumps({"recorder-off hook, ns per collective": hook_ns(),
+                          "wrapper, us per collective": wrapper_us()}))
     else:
         print(json.dumps(main(), indent=1, default=str))

@@ -116,3 +116,34 @@ def test_a_tag_is_read_from_the_outputs_buffer(dtype: str) -> None:
     gather = CollectiveRecord(2, "all_gather", (2,), dtype, None, 0, 1, 2, False, 2, "")
     rows = mx.array([9, 9, 1, 8, 8, 3], dtype=getattr(mx, dtype))  # each rank's row, its tag
     assert order.Tag(gather, rows, [1], 10, 2).values() == [1, 3]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "int8",
+                                   "uint8", "int16", "uint32", "int64", "uint64"])
+@pytest.mark.parametrize("op", ["all_sum", "all_max", "all_min", "recv"])
+def test_a_tags_bytes_are_as_expected_exactly_when_its_values_are(op: str, dtype: str) -> None:
+    """The tracker reads a tag's bytes first (``as_expected``) and its values only when
+    they differ: the two must agree, for every value of every digit that can be wrong."""
+    import mlx.core as mx
+
+    for size in (2, 3):
+        base, n = order.width(op, dtype, size, 16)
+        for index in (1, 2, base + 1, order.SPAN):
+            rec = CollectiveRecord(1, op, (3,), dtype, None, 12, 1, index, False, index, "")
+            t = order.Tag(rec, None, order.digits(index, base, n), base, size)
+            want = t.expected()
+            t.full = mx.array([5, 6, 7, *want], dtype=getattr(mx, dtype))
+            assert t.as_expected() and t.problem(t.values(), 0, issued=index) is None
+            for j, v in enumerate(want):
+                wrong = [*want[:j], v - 1 if v else 1, *want[j + 1:]]
+                t.full = mx.array([5, 6, 7, *wrong], dtype=getattr(mx, dtype))
+                assert not t.as_expected(), (size, index, j)
+                assert t.problem(t.values(), 0, issued=index) is not None
+
+
+def test_a_gathers_tags_are_always_read_as_values() -> None:
+    import mlx.core as mx
+
+    gather = CollectiveRecord(2, "all_gather", (2,), "int32", None, 0, 1, 2, False, 2, "")
+    t = order.Tag(gather, mx.array([9, 9, 1, 8, 8, 1], dtype=mx.int32), [1], 10, 2)
+    assert not t.as_expected() and t.problem(t.values(), 0, issued=2) is None

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,26 @@ def digits(index: int, base: int, n: int) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _expected(op: str, ds: tuple[int, ...], base: int, size: int) -> tuple[int, ...]:
+    """What a tag of digits ``ds`` reads once every rank's was the same."""
+    own = _values(op, list(ds), base)
+    if op in _SUMS:
+        return tuple(size * v for v in own)
+    return tuple(own * size if op == "all_gather" else own)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_bytes(op: str, ds: tuple[int, ...], base: int, size: int, name: str) -> bytes:
+    """The bytes of :func:`_expected`'s values as dtype ``name`` holds them (exactly:
+    :func:`width` keeps them small enough)."""
+    exact = np.array(_expected(op, ds, base, size), dtype=np.float32 if name == "bfloat16"
+                     else _NUMPY.get(name, name))
+    if name == "bfloat16":  # a float32's upper half
+        return (exact.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    return exact.tobytes()
+
+
 def _values(op: str, ds: list[int], base: int) -> list[int]:
     if op in _SUMS:
         return [v for d in ds for v in (d, d * d)]
@@ -118,7 +138,7 @@ def _values(op: str, ds: list[int], base: int) -> list[int]:
     return list(ds)
 
 
-@dataclass
+@dataclass(slots=True)
 class Tag:
     """The tag of one run collective, read back when it has run."""
 
@@ -126,7 +146,7 @@ class Tag:
     #: the collective's whole output: the user's data, then the tag (per rank, for a
     #: gather); read through its buffer, not sliced in MLX (a node costs ~20 us)
     full: Any
-    digits: list[int]
+    digits: Sequence[int]
     base: int
     size: int
 
@@ -141,10 +161,18 @@ class Tag:
         return tail.ravel().tolist()
 
     def expected(self) -> list[int]:
-        own = _values(self.rec.op, self.digits, self.base)
-        if self.rec.op in _SUMS:
-            return [self.size * v for v in own]
-        return own * self.size if self.rec.op == "all_gather" else own
+        return list(_expected(self.rec.op, tuple(self.digits), self.base, self.size))
+
+    def as_expected(self) -> bool:
+        """Whether the tag's bytes are those :meth:`expected` gives (the common case,
+        read without making numbers of them; ``False``: read :meth:`values`). A
+        gather's tags lie at the end of each rank's row: always ``False``."""
+        if self.rec.op == "all_gather":
+            return False
+        want = _expected_bytes(self.rec.op, tuple(self.digits), self.base, self.size,
+                               dtypes.dtype_name(self.full.dtype))
+        buf = memoryview(self.full).cast("B")
+        return buf[len(buf) - len(want):] == want
 
     def problem(self, got: list[float], rank: int, issued: int,
                 settled: bool = False) -> dict[str, Any] | None:
@@ -161,7 +189,7 @@ class Tag:
         partners: dict[str, int | None] = {}
         if op == "all_gather":
             partners = {str(r): self._position(got[r * n:(r + 1) * n], issued)
-                        for r in range(self.size) if got[r * n:(r + 1) * n] != self.digits}
+                        for r in range(self.size) if got[r * n:(r + 1) * n] != list(self.digits)}
         elif op in ("recv", "recv_like"):
             partners = {str(rec.peer): self._position(got, issued)}
         elif op in _SUMS and self.size == 2:
@@ -182,31 +210,39 @@ class Tag:
 
 def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, ...],
          dtype: str, peer: int | None, kwargs: dict[str, Any], index: int, base: int, n: int,
-         size: int) -> tuple[Plan, list[int]] | None:
+         size: int) -> tuple[Plan, Any] | None:
     """How to run collective ``op`` tagged with position ``index``: the function, its
     arguments, and what turns its output into the user's array and the output to
     read the tag from (``None`` for a send); and the position's digits. ``x``,
     ``shape``, ``dtype`` and ``peer`` are what the tracker read of the call (``x``:
     the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
-    ds = digits(index, base, n)
-    values: Any = _values(op, ds, base)
     rest = kwargs if _READ.isdisjoint(kwargs) else {
         key: v for key, v in kwargs.items() if key not in _READ}
-    lay = _layout(op, shape, len(values), size)  # a receive's shape: ints (_describe)
+    lay = _layout(op, shape, n * 2 if op in _PAIRED else n, size)  # _values' length
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None
-        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), ds
+        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), digits(
+            index, base, n)
     if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
         return None
-    if lay.row:
-        for _ in range(len(shape) - 1):
-            values = [values]
-        tagged = mx.concatenate([x, mx.array(values, dtype=x.dtype)], axis=-1)
-    else:
-        tagged = mx.concatenate([x.reshape(-1), mx.array(values, dtype=x.dtype)])
+    ds, tag = _tag(op, index, base, n, x.dtype, len(shape) if lay.row else 1)
+    tagged = mx.concatenate([x, tag] if lay.row else [x.reshape(-1), tag], axis=-1)
     args = (tagged, peer) if op == "send" else (tagged,)
     return (fns[op], args, rest, lay.split), ds
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag(op: str, index: int, base: int, n: int, dtype: Any, ndim: int
+         ) -> tuple[tuple[int, ...], Any]:
+    """Position ``index``'s digits and its tag, an array of ``ndim`` dimensions (kept:
+    a cell that runs again, a decode's next generation, issues the same positions;
+    an evaluated constant, so any thread and stream may read it)."""
+    ds = tuple(digits(index, base, n))
+    values: Any = _values(op, list(ds), base)
+    for _ in range(ndim - 1):
+        values = [values]
+    return ds, mx.array(values, dtype=dtype)
 
 
 @dataclass(frozen=True)
