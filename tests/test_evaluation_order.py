@@ -275,3 +275,14 @@ def test_a_receive_whose_shape_is_not_ints_is_a_clear_error_and_spoils_nothing(
                      "else:\n"
                      "    print(mx.distributed.recv((1, 4), mx.float32, 0, group=world).tolist())")
     assert r.stdout(1).strip() == "[[0.0, 1.0, 2.0, 3.0]]", r.stdout(1)
+
+
+def test_a_receive_whose_shape_is_an_array_is_received(session2: Session) -> None:
+    """MLX takes a receive's shape as an ``mx.array`` too: it is a shape, not data (the
+    tracker once read it as the data of a collective and lost the source rank)."""
+    r = session2.run("if rank == 0:\n"
+                     "    mx.eval(mx.distributed.send(mx.arange(6.0).reshape(2, 3), 1, group=world))\n"
+                     "else:\n"
+                     "    got = mx.distributed.recv(mx.array([2, 3]), mx.float32, 0, group=world)\n"
+                     "    print(got.shape, got.tolist())")
+    assert r.stdout(1).strip() == "(2, 3) [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]", r.stdout(1)

@@ -447,7 +447,8 @@ class Tracker:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # IPython: show the user's line, not ours
             group = kwargs.get("group") or tracker.world
-            if args and isinstance(args[0], mx.array) and op != "send":  # the usual call
+            # the usual call: the data first (a send's and a receive's arguments differ)
+            if args and isinstance(args[0], mx.array) and op not in ("send", "recv"):
                 x = args[0]
                 shape, dtype, peer = x.shape, dtypes.dtype_name(x.dtype), None
                 if op == "recv_like":
@@ -455,7 +456,8 @@ class Tracker:
             else:
                 # what MLX sends: numpy float64 data goes as float32: say so (and tag it so)
                 args, kwargs = _as_arrays(op, args, kwargs)
-                x = args[0] if args else kwargs.get("x")
+                # (a receive's first argument is its shape, an mx.array too if so given)
+                x = None if op == "recv" else args[0] if args else kwargs.get("x")
                 shape, dtype, peer = _describe(op, args, kwargs)
             size = group.size()
             if size > 1 and not tracker._replaying:
