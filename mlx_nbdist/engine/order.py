@@ -130,6 +130,11 @@ def _expected_bytes(op: str, ds: tuple[int, ...], base: int, size: int, name: st
     return exact.tobytes()
 
 
+def _length(op: str, n: int) -> int:
+    """How many values :func:`_values` makes of ``n`` digits."""
+    return 2 * n if op in _PAIRED else n
+
+
 def _values(op: str, ds: list[int], base: int) -> list[int]:
     if op in _SUMS:
         return [v for d in ds for v in (d, d * d)]
@@ -152,7 +157,7 @@ class Tag:
 
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it)."""
-        t = len(self.digits) * (2 if self.rec.op in _PAIRED else 1)  # _values' length
+        t = _length(self.rec.op, len(self.digits))
         name = dtypes.dtype_name(self.full.dtype)
         raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
         tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
@@ -218,7 +223,7 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
     rest = kwargs if _READ.isdisjoint(kwargs) else {
         key: v for key, v in kwargs.items() if key not in _READ}
-    lay = _layout(op, shape, n * 2 if op in _PAIRED else n, size)  # _values' length
+    lay = _layout(op, shape, _length(op, n), size)
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None

@@ -447,12 +447,10 @@ class Tracker:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # IPython: show the user's line, not ours
             group = kwargs.get("group") or tracker.world
-            # the usual call: the data first (a send's and a receive's arguments differ)
-            if args and isinstance(args[0], mx.array) and op not in ("send", "recv"):
+            # the usual call: a group collective of an mx.array (messages: _describe)
+            if args and isinstance(args[0], mx.array) and op not in P2P:
                 x = args[0]
                 shape, dtype, peer = x.shape, dtypes.dtype_name(x.dtype), None
-                if op == "recv_like":
-                    peer = args[1] if len(args) > 1 else kwargs.get("src")
             else:
                 # what MLX sends: numpy float64 data goes as float32: say so (and tag it so)
                 args, kwargs = _as_arrays(op, args, kwargs)

@@ -545,17 +545,13 @@ class Session:
         """The PIDs of every local process this session runs, its spare's included
         (launched already, registered or not), and their descendants: what no other
         start may end."""
-        spare = self._spare
-        clusters = [(c, pids) for c, pids in ((self.cluster, self.group.local_pids()
-                                               if self.group else []),
-                                              (spare.cluster if spare else None, []))
-                    if c is not None]
+        spare = self._spare.cluster if self._spare is not None else None
+        tops = [pid for pid, _ in self.processes()]
+        tops += [pid for pid, _ in spare.processes([])] if spare is not None else []
+        tops += [c.watchdog for c in (self.cluster, spare) if c is not None and c.watchdog]
         out: set[int] = set()
-        for cluster, rank_pids in clusters:
-            tops = [pid for pid, _ in cluster.processes(rank_pids)]
-            tops += [cluster.watchdog] if cluster.watchdog else []
-            for pid in tops:
-                out.update((pid, *processes.children(pid)))
+        for pid in tops:
+            out.update((pid, *processes.children(pid)))
         return out
 
     def _write_record(self, stopped: bool = False) -> None:
