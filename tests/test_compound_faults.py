@@ -123,6 +123,30 @@ def test_unmatched_send_in_a_cell_that_succeeds_fails_the_cell(fresh2: Session) 
     assert r.stdout(1).strip() == "[2.0, 2.0, 2.0, 2.0]"
 
 
+def test_bool_collectives_and_messages_a_peer_left_are_drained_and_dropped(
+        fresh2: Session) -> None:
+    """Replays and drops looked MLX's dtype up by its name, which for ``bool`` is
+    ``bool_``: a float32 case left the session ready, a bool one broke it."""
+    with pytest.raises(CellError) as info:
+        fresh2.run("if rank == 1:\n    raise ValueError('no sum')\n"
+                   "mx.eval(mx.distributed.all_sum(mx.array([True, False]), group=world))",
+                   timeout=30)
+    assert "Drained" in info.value.summary, info.value.summary
+    assert fresh2.state == "ready"
+    with pytest.raises(CellError) as info:
+        fresh2.run("if rank == 0:\n"
+                   "    mx.eval(mx.distributed.send(mx.array([True, True]), 1, group=world))\n"
+                   "else:\n    raise ValueError('no recv')", timeout=30)
+    assert "never received" in str(info.value) and "dropped" in str(info.value)
+    assert fresh2.state == "ready"
+    r = fresh2.run(
+        "if rank == 0:\n    mx.eval(mx.distributed.send(mx.array([False, True]), 1, group=world))\n"
+        "else:\n    print(mx.distributed.recv((2,), mx.bool_, 0, group=world).tolist())",
+        timeout=30)
+    assert r.stdout(1).strip() == "[False, True]"  # not the dropped message
+    assert_works(fresh2)
+
+
 def test_run_from_two_threads_is_serialised(session2: Session) -> None:
     # item 4: two cells at once never pair one's all_sum with the other's
     errors: list[str] = []

@@ -286,3 +286,63 @@ def test_a_receive_whose_shape_is_an_array_is_received(session2: Session) -> Non
                      "    got = mx.distributed.recv(mx.array([2, 3]), mx.float32, 0, group=world)\n"
                      "    print(got.shape, got.tolist())")
     assert r.stdout(1).strip() == "(2, 3) [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]", r.stdout(1)
+
+
+def test_gathers_of_scalars_are_tagged_too(session2: Session) -> None:
+    """A 0-d gather went untagged: evaluated in another order on each rank, the ranks
+    printed ``[1.0, 20.0]`` and ``[10.0, 2.0]`` and the cell passed."""
+    swap = ("a = mx.distributed.all_gather(mx.array(1.0 + rank), group=world)\n"
+            "b = mx.distributed.all_gather(mx.array(10.0 * (rank + 1)), group=world)\n"
+            "if rank == 0:\n"
+            "    mx.eval(a); mx.eval(b)\n"
+            "else:\n"
+            "    mx.eval(b); mx.eval(a)\n"
+            "print(a.shape, a.tolist(), b.tolist())")
+    with pytest.raises(CellError) as info:
+        session2.run(swap)
+    assert "collective 1 of this cell (all_gather shape=() dtype=float32)" in str(info.value), (
+        str(info.value))
+    assert session2.state == "ready"
+    r = session2.run(swap.replace("mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == "(2,) [1.0, 2.0] [10.0, 20.0]", r.stdout(rank)
+
+
+def test_a_group_passed_by_position_is_refused_as_mlx_refuses_it(session2: Session) -> None:
+    """MLX's collectives take ``group=`` by keyword only; the tracker took a positional
+    one and dropped it (a subgroup's sum would have run over the whole world)."""
+    with pytest.raises(CellError) as info:
+        session2.run("mx.distributed.all_sum(mx.ones(2), world)")
+    assert ("mx.distributed.all_sum() takes 1 positional argument (x) but 2 were given: "
+            "pass group= and stream= by keyword") in str(info.value), str(info.value)
+    with pytest.raises(CellError) as info:
+        session2.run("mx.distributed.send(mx.ones(2), 1 - rank, world)")
+    assert "send() takes 2 positional arguments (x, dst) but 3 were given" in str(info.value)
+    assert session2.state == "ready"
+
+
+def test_a_collective_on_another_threads_stream_is_tagged_on_that_stream(
+        session2: Session) -> None:
+    """MLX 0.32 keeps streams per thread: the tag's nodes went on the calling thread's
+    stream, so the main thread could not evaluate a worker's collective on its own."""
+    r = session2.run(
+        "import threading\n"
+        "s_main = mx.new_stream(mx.cpu)\n"
+        "box = []\n"
+        "t = threading.Thread(target=lambda: box.append(\n"
+        "    mx.distributed.all_sum(mx.array([1.0, rank]), group=world, stream=s_main)))\n"
+        "t.start(); t.join()\n"
+        "print(box[0].tolist())")
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == "[2.0, 1.0]", r.stdout(rank)
+
+
+def test_bool_messages_are_counted_in_bytes_and_received(session2: Session) -> None:
+    """A ``bool`` receive was counted as 0 bytes (MLX names it ``bool_``): a right
+    program failed with '3 bytes sent but 0 received'."""
+    r = session2.run(
+        "if rank == 0:\n"
+        "    mx.eval(mx.distributed.send(mx.array([True, False, True]), 1, group=world))\n"
+        "else:\n"
+        "    print(mx.distributed.recv((3,), mx.bool_, 0, group=world).tolist())")
+    assert r.stdout(1).strip() == "[True, False, True]", r.stdout(1)

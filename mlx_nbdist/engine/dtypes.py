@@ -26,9 +26,19 @@ def nbytes(shape: Iterable[int], dtype: Any) -> int:
     """Bytes of an array of ``shape`` and ``dtype`` (an ``mx.Dtype`` or its name; an
     unknown name counts 0)."""
     if isinstance(dtype, str):
-        import mlx.core as mx
-
-        dtype = getattr(mx, dtype, None)
-        if not isinstance(dtype, mx.Dtype):
+        dtype = mx_dtype(dtype)
+        if dtype is None:
             return 0
     return math.prod(int(d) for d in shape) * dtype.size
+
+
+def mx_dtype(name: str) -> Any:
+    """The MLX dtype of :func:`dtype_name`'s ``name`` (``bool`` is ``mx.bool_``);
+    ``None`` if MLX has none of that name."""
+    import mlx.core as mx
+
+    for attr in (name, f"{name}_"):
+        dtype = getattr(mx, attr, None)
+        if isinstance(dtype, mx.Dtype):
+            return dtype
+    return None

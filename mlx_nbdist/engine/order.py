@@ -227,14 +227,23 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None
-        return (fns["recv"], (lay.wire, getattr(mx, dtype), peer), rest, lay.split), digits(
+        return (fns["recv"], (lay.wire, dtypes.mx_dtype(dtype), peer), rest, lay.split), digits(
             index, base, n)
-    if not isinstance(x, mx.array) or (op == "all_gather" and x.ndim == 0):
+    if not isinstance(x, mx.array):
         return None
     ds, tag = _tag(op, index, base, n, x.dtype, len(shape) if lay.row else 1)
-    tagged = mx.concatenate([x, tag] if lay.row else [x.reshape(-1), tag], axis=-1)
+    stream = kwargs.get("stream")
+    if stream is None:
+        tagged = _tagged(x, tag, lay.row)
+    else:  # on the collective's stream, which may be another thread's (MLX's are per thread)
+        with mx.stream(stream):
+            tagged = _tagged(x, tag, lay.row)
     args = (tagged, peer) if op == "send" else (tagged,)
     return (fns[op], args, rest, lay.split), ds
+
+
+def _tagged(x: Any, tag: Any, row: bool) -> Any:
+    return mx.concatenate([x, tag] if row else [x.reshape(-1), tag], axis=-1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,9 +281,11 @@ def _layout(op: str, shape: tuple[int, ...], t: int, size: int) -> _Layout:
     wire = (*shape[:-1], k + t) if row else (k + t,)
     if op == "all_gather":  # each rank's row: its data, then its tag
 
+        gathered = (size * shape[0], *shape[1:]) if shape else (size,)  # a scalar a rank
+
         def rows(out: Any) -> tuple[Any, Any]:
             by_rank = out.reshape(size, k + t)
-            return by_rank[:, :k].reshape((size * shape[0], *shape[1:])), out
+            return by_rank[:, :k].reshape(gathered), out
 
         return _Layout(row, wire, rows)
     return _Layout(row, wire, _split(shape, k, row, keep=op != "send"))

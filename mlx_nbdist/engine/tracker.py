@@ -448,10 +448,12 @@ class Tracker:
             __tracebackhide__ = True  # IPython: show the user's line, not ours
             group = kwargs.get("group") or tracker.world
             # the usual call: a group collective of an mx.array (messages: _describe)
-            if args and isinstance(args[0], mx.array) and op not in P2P:
+            if len(args) == 1 and isinstance(args[0], mx.array) and op not in P2P:
                 x = args[0]
                 shape, dtype, peer = x.shape, dtypes.dtype_name(x.dtype), None
             else:
+                if len(args) > len(_POSITIONAL.get(op, ("x",))):
+                    raise TypeError(_too_many(op, len(args)))  # MLX's would; ours may not
                 # what MLX sends: numpy float64 data goes as float32: say so (and tag it so)
                 args, kwargs = _as_arrays(op, args, kwargs)
                 # (a receive's first argument is its shape, an mx.array too if so given)
@@ -481,7 +483,12 @@ class Tracker:
             out = run(*a, **kw) if recorder is None else recorder.timed(rec, run, a, kw, world)
             tag = None
             if found:
-                out, full = split(out)
+                stream = kwargs.get("stream")
+                if stream is None:
+                    out, full = split(out)
+                else:  # on the collective's stream, as its tag was (see order.call)
+                    with mx.stream(stream):
+                        out, full = split(out)
                 if full is not None and not tracker._replaying and not traced:
                     tag = order.Tag(rec, full, found[1], base, tracker.size)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
@@ -599,6 +606,17 @@ def _as_arrays(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+#: each op's positional arguments (MLX's, the rest keyword-only), where not just ``x``
+_POSITIONAL = {"send": ("x", "dst"), "recv": ("shape", "dtype", "src"), "recv_like": ("x", "src")}
+
+
+def _too_many(op: str, given: int) -> str:
+    names = _POSITIONAL.get(op, ("x",))
+    return (f"mx.distributed.{op}() takes {len(names)} positional argument"
+            f"{'s' if len(names) > 1 else ''} ({', '.join(names)}) but {given} were given: "
+            "pass group= and stream= by keyword")
+
+
 def _input_key(tree: Any) -> Any:
     """What a compiled function's cache tells calls apart by, as far as we can see:
     the shapes and dtypes of its array inputs, the other inputs' values."""
@@ -680,7 +698,7 @@ def drain(tracker: Tracker, records: list[dict[str, Any]]) -> list[str]:
 
 
 def _replay(tracker: Tracker, rec: CollectiveRecord, from_rank: int | None) -> Any:
-    dtype = getattr(mx, rec.dtype)
+    dtype = dtypes.mx_dtype(rec.dtype)
     dist = mx.distributed
     if (rec.trace or rec.check) and rec.op not in P2P:
         # traced in mx.compile, or --check-collectives' own gather: it carried no tag
@@ -702,7 +720,7 @@ def receive_unmatched(tracker: Tracker, messages: list[dict[str, Any]]) -> int:
     try:
         for m in messages:
             out = mx.distributed.recv(
-                tuple(m["shape"]), getattr(mx, m["dtype"]), int(m["src"]), group=tracker.world
+                tuple(m["shape"]), dtypes.mx_dtype(m["dtype"]), int(m["src"]), group=tracker.world
             )
             mx.eval(out)
     finally:
