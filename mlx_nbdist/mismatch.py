@@ -101,10 +101,12 @@ def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
     return None
 
 
-def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]]) -> str | None:
+def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
+                        issued_alike: bool = True) -> str | None:
     """``found``: per rank, the collectives whose tag says they ran together with
     another collective (``engine.order.Tag.problem``). The lowest rank's first,
-    described with why; None when there is none."""
+    described with why (``issued_alike``: the ranks' issued collectives agreed, so the
+    order they ran in is the cause); None when there is none."""
     problems = [(rank, p) for rank in sorted(found) for p in found[rank]]
     if not problems:
         return None
@@ -129,6 +131,8 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]]) -> str
                 "then, in the order they were issued, while the other ranks had run them in "
                 "the order their mx.eval chose (mx.eval(a, b) may run b first): the values "
                 "those ranks computed from them are wrong.")
+    if not issued_alike:  # the cause is said already: what the user must not trust
+        return f"{text}, so its values are wrong."
     return f"{text}. {ORDER_CONSEQUENCE}."
 
 

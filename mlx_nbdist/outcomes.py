@@ -84,28 +84,7 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
     received by its peer with the same size. A sent message nobody received is
     listed so the receiver can drop it before it reaches a later cell.
     """
-    out = LedgerCheck()
-    digests = {r: (ledgers.get(r) or {}).get("digest", _NONE) for r in ran}
-    if len(set(digests.values())) > 1:
-        heads = {r: _positions(led) for r, led in ledgers.items() if r in digests}
-        counts = ", ".join(f"rank {r}: {_collectives(ledgers.get(r))}" for r in sorted(digests))
-        found = mismatch.first_mismatch(heads) or (
-            f"the ranks issued different collectives in this cell ({counts})"
-        )
-        out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
-    else:  # collectives traced by mx.compile are not in the digest: by trace
-        traced = {r: _positions(ledgers.get(r) or {}, traced=True) for r in ran}
-        found = mismatch.first_mismatch(traced)
-        if found:
-            out.problems.append(f"{found}. {mismatch.CONSEQUENCE}")
-        else:
-            lone = mismatch.lone_trace({r: {t for t, _ in traced[r]} for r in ran})
-            if lone:
-                out.problems.append(lone + ".")
-    order = mismatch.first_order_problem(
-        {r: led["order"] for r, led in ledgers.items() if led.get("order")})
-    if order:
-        out.problems.append(order)
+    out = LedgerCheck(problems=order_problems(ledgers, ran))
     for src in range(size):
         sent = (ledgers.get(src) or {}).get("sent", {})
         for dst_key, msgs in sent.items():
@@ -118,6 +97,36 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
             if str(dst) not in (ledgers.get(src) or {}).get("sent", {}) and got:
                 _compare_messages(out, src, dst, [], got)
     return out
+
+
+def order_problems(ledgers: dict[int, dict[str, Any]], ran: list[int]) -> list[str]:
+    """Whether the ranks that ran the cell issued the same collectives, and ran each
+    with its partners' (their tags): one line per problem (messages: see
+    :func:`check_ledgers`)."""
+    problems = []
+    digests = {r: (ledgers.get(r) or {}).get("digest", _NONE) for r in ran}
+    if len(set(digests.values())) > 1:
+        heads = {r: _positions(led) for r, led in ledgers.items() if r in digests}
+        counts = ", ".join(f"rank {r}: {_collectives(ledgers.get(r))}" for r in sorted(digests))
+        found = mismatch.first_mismatch(heads) or (
+            f"the ranks issued different collectives in this cell ({counts})"
+        )
+        problems.append(f"{found}. {mismatch.CONSEQUENCE}")
+    else:  # collectives traced by mx.compile are not in the digest: by trace
+        traced = {r: _positions(ledgers.get(r) or {}, traced=True) for r in ran}
+        found = mismatch.first_mismatch(traced)
+        if found:
+            problems.append(f"{found}. {mismatch.CONSEQUENCE}")
+        else:
+            lone = mismatch.lone_trace({r: {t for t, _ in traced[r]} for r in ran})
+            if lone:
+                problems.append(lone + ".")
+    order = mismatch.first_order_problem(
+        {r: led["order"] for r, led in ledgers.items() if led.get("order")},
+        issued_alike=not problems)
+    if order:
+        problems.append(order)
+    return problems
 
 
 _NONE = "none"

@@ -346,3 +346,42 @@ def test_bool_messages_are_counted_in_bytes_and_received(session2: Session) -> N
         "else:\n"
         "    print(mx.distributed.recv((3,), mx.bool_, 0, group=world).tolist())")
     assert r.stdout(1).strip() == "[True, False, True]", r.stdout(1)
+
+
+def test_an_extra_collective_on_one_rank_is_named_as_the_cause_of_the_drain(
+        session2: Session) -> None:
+    """The user trial's case: rank 1 issues and runs one more all_sum than rank 0. Rank
+    0's sum paired with rank 1's extra one (it printed 6 for 2), and rank 1's waited
+    until drained; the error said only that rank 1 had been stuck and drained."""
+    with pytest.raises(CellError) as info:
+        session2.run("a = mx.distributed.all_sum(mx.ones(4), group=world)\n"
+                     "if rank == 1:\n"
+                     "    mx.eval(mx.distributed.all_sum(mx.ones(4) * 5, group=world))\n"
+                     "mx.eval(a)\n"
+                     "print(rank, a)")
+    text = str(info.value)
+    assert ("the ranks issued different collectives in this cell (rank 0: 1 collective, "
+            "rank 1: 2 collectives)") in text, text
+    assert ("collective 1 of this cell (all_sum shape=(4,) dtype=float32) ran on rank 0 "
+            "together with collective 2 of rank 1, so its values are wrong") in text, text
+    assert "issued the same collectives" not in text  # they did not
+    assert "Drained" in text and not info.value.result.valid
+    assert session2.state == "ready"
+
+
+def test_collectives_issued_in_another_order_are_not_said_to_be_issued_alike(
+        session2: Session) -> None:
+    with pytest.raises(CellError) as info:
+        session2.run("a = mx.array([1.0, 2.0 + rank])\n"
+                     "if rank == 0:\n"
+                     "    p = mx.distributed.all_max(a, group=world)\n"
+                     "    q = mx.distributed.all_min(a, group=world)\n"
+                     "else:\n"
+                     "    q = mx.distributed.all_min(a, group=world)\n"
+                     "    p = mx.distributed.all_max(a, group=world)\n"
+                     "mx.eval(p, q)")
+    text = str(info.value)
+    assert ("collective 1 of this cell differs between the ranks (rank 0: all_max shape=(2,) "
+            "dtype=float32; rank 1: all_min shape=(2,) dtype=float32)") in text, text
+    assert "issued the same collectives" not in text, text
+    assert session2.state == "ready"

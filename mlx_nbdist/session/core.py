@@ -50,9 +50,17 @@ from ..errors import (
 )
 from ..history import Entry, cell_entry, render, target, write
 from ..launchers.local import LocalLauncher
-from ..outcomes import check_ledgers, collect, ledgers_of, raise_for, short_error
+from ..outcomes import (
+    check_ledgers,
+    collect,
+    ledgers_of,
+    order_problems,
+    raise_for,
+    short_error,
+)
 from ..results import (
     DIED,
+    DRAINED,
     PAUSED,
     CellResult,
     CollectiveRecord,
@@ -764,8 +772,14 @@ class Session:
         gone = [f.rank for f in result.failures if f.cause in (DIED, PAUSED)]
         if gone and not outcome.broken:
             outcome.broken = f"rank {', '.join(map(str, gone))} died"
+        if outcome.drained and not outcome.broken and all(
+                f.cause == DRAINED for f in result.failures):
+            # nobody failed: a rank waited in a collective the others never issued, or
+            # ran another's. The ledgers say which (a drain's replays are not in them,
+            # and the alignment check decides whether the group is in step)
+            found = order_problems(ledgers_of(futures), list(futures))
+            outcome.problem = "\n".join(found) or outcome.problem
         if not outcome.broken and not outcome.drained:
-            # (a drain's replays are not in the ledgers: the alignment check decides)
             ledgers = ledgers_of(futures)
             if self._ledger_missing(group, ledgers, futures):
                 outcome.needs_alignment = True
