@@ -242,14 +242,22 @@ def test_display_updates_clear_output_and_figures_in_a_rank_area(frontend: Front
     assert "second" not in html  # cleared with the rest
 
 
-def test_quiet_shows_only_failing_ranks(frontend: Frontend) -> None:
-    status, outputs, _ = frontend.run(
-        "%%mlxdist --quiet\nprint('hello', rank)\nif rank == 1:\n    raise ValueError('bad')"
+def test_quiet_streams_every_rank_then_keeps_only_failing_ranks(frontend: Frontend) -> None:
+    """As docs/magics.md says: every rank streams while the cell runs (the user trial
+    saw nothing until the end: a rank that had not failed yet was hidden), and at the
+    end only the areas of ranks that failed are kept."""
+    status, outputs, timeline = frontend.run(
+        "%%mlxdist --quiet\nimport time\nprint('hello', rank, flush=True)\ntime.sleep(1.5)\n"
+        "if rank == 1:\n    raise ValueError('bad')"
     )
     assert status == "error"
     text = text_of(outputs)
     assert "hello 1" in text and "hello 0" not in text
     assert "ValueError: bad" in text
+    end = timeline[-1][0]
+    for k in (0, 1):
+        seen = [t for t, _, plain in timeline if f"hello {k}" in plain]
+        assert seen and seen[0] < end - 1.0, timeline  # shown while the cell ran
 
 
 def test_many_tiny_prints_and_progress_lines_are_bounded_in_messages(frontend: Frontend) -> None:

@@ -68,7 +68,10 @@ class LiveOutput:
 
     # -- rendering ---------------------------------------------------------------------
     def _visible(self, rank: int) -> bool:
-        return bool(self.streams[rank].items) and not (self.quiet and self.status[rank] == OK)
+        """Shown: what the rank wrote, while the cell runs; once it ended, under
+        ``quiet``, only where the rank did not finish normally."""
+        return bool(self.streams[rank].items) and not (
+            self.quiet and self._finished and self.status[rank] == OK)
 
     def _render(self, rank: int, force: bool = False) -> None:
         stream = self.streams[rank]
