@@ -384,6 +384,8 @@ def plan_writes(layouts: Layouts) -> tuple[dict[int, dict[str, list[str]]],
                         segments=spec["segments"], group_size=spec["group_size"],
                         kind=spec["kind"], layer=spec["layer"], of=spec.get("of", ""))
                 _same_layout(path, entries[path], spec, rank)
+        _same_copies(kind, {p: e for p, e in entries.items() if e.axis is None}, holders,
+                     layouts)
         for path, entry in entries.items():
             ranks = holders[path]
             entry.holders = ranks
@@ -396,6 +398,35 @@ def plan_writes(layouts: Layouts) -> tuple[dict[int, dict[str, list[str]]],
                 writes[rank][kind].append(path)
         out.append(entries)
     return writes, out[0], out[1]
+
+
+def _same_copies(kind: str, whole: dict[str, TensorEntry], holders: dict[str, list[int]],
+                 layouts: Layouts) -> None:
+    """A whole tensor is saved once (its lowest holder's copy): refuse to save when
+    another holder's copy differs (its sums, where the layouts carry them), naming them."""
+    bad = []
+    for path in whole:
+        ranks = holders[path]
+        sums = {r: (layouts[r].get("sums") or {}).get(kind, {}).get(path) for r in ranks}
+        ref = sums[ranks[0]]
+        if ref is None:
+            continue
+        differ = [r for r in ranks[1:] if sums[r] is not None and any(
+            abs(a - b) > 1e-5 * max(abs(b), 1.0) for a, b in zip(sums[r], ref, strict=True))]
+        if differ:
+            bad.append(f"{path}: " + (f"ranks {', '.join(map(str, differ))} differ"
+                                      if len(differ) > 1 else f"rank {differ[0]} differs")
+                       + f" from rank {ranks[0]}")
+    if bad:
+        what = ("parameter" if kind == "params" else "optimizer state entry") if len(
+            bad) == 1 else ("parameters" if kind == "params" else "optimizer state entries")
+        listed = "\n  - ".join(bad)
+        raise CheckpointError(
+            f"{len(bad)} replicated {what} {'differs' if len(bad) == 1 else 'differ'} across "
+            "ranks, and a checkpoint keeps one "
+            "copy of each (the lowest rank's): the others' would be lost. Make the copies "
+            "equal first (average the gradients with nn.average_gradients, or load the "
+            f"same weights on every rank):\n  - {listed}")
 
 
 def _same_layout(path: str, entry: TensorEntry, spec: dict[str, Any], rank: int) -> None:

@@ -379,6 +379,45 @@ def test_a_model_missing_on_a_rank_is_refused_naming_it(s2: Any, tmp_path: Path)
     assert not (tmp_path / "x").exists()
 
 
+def test_replicated_copies_that_differ_are_not_saved_as_one(s2: Any, tmp_path: Path):
+    """A checkpoint keeps one copy of a whole tensor (rank 0's): the user trial saved a
+    model whose rank 1 had its own bias, without a word, and rank 1's was lost."""
+    from mlx_nbdist.client.checkpoint import save
+
+    s2.run('dv = mlx_nbdist.shard(build(), "megatron")\n'
+           "if rank == 1:\n    dv.layers[2].bias = dv.layers[2].bias + 1")
+    with pytest.raises(CheckpointError) as info:
+        save("dv", tmp_path / "x", session=s2)
+    text = str(info.value)
+    assert ("1 replicated parameter differs across ranks, and a checkpoint keeps one copy of "
+            "each (the lowest rank's)") in text, text
+    assert "layers.2.bias: rank 1 differs from rank 0" in text, text
+    assert not (tmp_path / "x").exists()
+    # the same on the ranks' own save (a script's), on every rank
+    with pytest.raises(CellError) as cell:
+        s2.run(f"import mlx_nbdist.script\nmlx_nbdist.script.save_checkpoint(dv, "
+               f"{str(tmp_path / 'y')!r})")
+    assert "layers.2.bias: rank 1 differs from rank 0" in str(cell.value), str(cell.value)
+    s2.run("dv.layers[2].bias = mx.distributed.all_sum(dv.layers[2].bias, group=world) / 2")
+    save("dv", tmp_path / "x", session=s2)  # once equal, saved
+
+
+def test_a_tokenizer_folder_that_is_not_one_is_refused(s2: Any, tmp_path: Path):
+    from mlx_nbdist.client.checkpoint import save
+
+    s2.run('tk = mlx_nbdist.shard(build(), "megatron")')
+    with pytest.raises(CheckpointError, match=r"tokenizer_from \(--tokenizer-from\) "
+                       r"\S*nowhere: no such folder"):
+        save("tk", tmp_path / "x", tokenizer_from=tmp_path / "nowhere", session=s2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty holds none of a tokenizer's files"):
+        save("tk", tmp_path / "x", tokenizer_from=tmp_path / "empty", session=s2)
+    with pytest.raises(CellError, match=r"empty holds none of a tokenizer's files"):
+        s2.run(f"import mlx_nbdist.script\nmlx_nbdist.script.save_checkpoint(tk, "
+               f"{str(tmp_path / 'x')!r}, tokenizer_from={str(tmp_path / 'empty')!r})")
+    assert not (tmp_path / "x").exists()
+
+
 def test_the_notebooks_loader_called_in_a_cell_says_where_it_runs(s2: Any, tmp_path: Path):
     """mlx_nbdist.load_checkpoint drives the ranks from the notebook; on a rank it says
     so and names the rank-side function, not 'no session: run %mlxdist start'."""

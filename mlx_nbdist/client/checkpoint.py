@@ -108,9 +108,14 @@ def _apply(s: Session, what: str, fn: Any, *args: Any, **kwargs: Any) -> dict[in
     try:
         return s.apply(fn, *args, **kwargs)
     except CellError as e:
-        lines = [f"{g.label()}: {g.first.ename}: {g.first.evalue}" if g.first.ename
-                 else g.headline() for g in e.groups]
-        raise CheckpointError(f"{what} failed on " + "; ".join(lines)) from None
+        raise CheckpointError(f"{what} failed on " + _failures(e)) from None
+
+
+def _failures(e: CellError) -> str:
+    """Each group of ranks' error, one clause each (a CheckpointError's says it all)."""
+    return "; ".join(
+        f"{g.label()}: {'' if g.first.ename == 'CheckpointError' else g.first.ename + ': '}"
+        f"{g.first.evalue}" if g.first.ename else g.headline() for g in e.groups)
 
 
 # --------------------------------------------------------------------------- saving
@@ -142,11 +147,13 @@ def save(model: str, directory: str | Path, optimizer: str | None = None, *,
     s = _session(session)
     engine = _engine()
     directory = str(Path(directory).expanduser().absolute())
-    layouts = _describe(s, model, optimizer, "save")
+    layouts = _describe(s, model, optimizer, "save", sums=True)
     there = _apply(s, "save", engine.inspect, directory, ranks=[0])[0]
     previous = check_target(directory, there, model, layouts, overwrite)
     writes, params, opt_entries = plan_writes(layouts)
     given = str(Path(tokenizer_from).expanduser().absolute()) if tokenizer_from else None
+    if given:  # on rank 0, which copies it (its host's files)
+        _apply(s, "save", engine.check_tokenizer, given, ranks=[0])
     source = (layouts[min(layouts)].get("lm") or {}).get("source")
     tokenizer_from = tokenizer_from or source or None
     token = uuid.uuid4().hex[:10]
@@ -158,10 +165,8 @@ def save(model: str, directory: str | Path, optimizer: str | None = None, *,
                       str(tokenizer_from) if tokenizer_from else None)
     except CellError as e:
         _discard(s, directory, staging)
-        lines = [f"{g.label()}: {g.first.ename}: {g.first.evalue}" if g.first.ename
-                 else g.headline() for g in e.groups]
-        raise CheckpointError(f"save of {model!r} failed on " + "; ".join(lines)
-                              + f"; {intact} (the partial files were removed)") from None
+        raise CheckpointError(f"save of {model!r} failed on {_failures(e)}; {intact} "
+                              "(the partial files were removed)") from None
     except BaseException:
         _discard(s, directory, staging)
         raise
@@ -190,10 +195,11 @@ def _discard(s: Session, directory: str, staging: str) -> None:
         pass
 
 
-def _describe(s: Session, model: str, optimizer: str | None, command: str
+def _describe(s: Session, model: str, optimizer: str | None, command: str, sums: bool = False
               ) -> dict[int, dict[str, Any]]:
-    """Every rank's layout; refuses a model or optimizer missing on some ranks."""
-    layouts = _apply(s, command, _engine().describe, model, optimizer)
+    """Every rank's layout (``sums``: with its whole tensors' sums); refuses a model or
+    optimizer missing on some ranks."""
+    layouts = _apply(s, command, _engine().describe, model, optimizer, sums)
     absent = {r: d["what"] for r, d in layouts.items() if not d["defined"]}
     if absent:
         where = "; ".join(f"rank {r}: {what}" for r, what in sorted(absent.items()))

@@ -143,10 +143,12 @@ def _canonical(path: str, prefix: str) -> str:
 # ----------------------------------------------------------------------- describing
 
 
-def layout(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+def layout(model: nn.Module, optimizer: Any = None, sums: bool = False) -> dict[str, Any]:
     """This rank's layout of ``model`` (and of ``optimizer``'s state), as plain data:
     ``{"params": {canonical: spec}, "optimizer": {canonical: spec}, "optimizer_class",
-    "model_class", "quantization", "lm"}``. A fresh optimizer gets its state entries."""
+    "model_class", "quantization", "lm"}``. A fresh optimizer gets its state entries.
+    ``sums``: also ``"sums"``, each whole (replicated) tensor's sum and sum of squares
+    (a save keeps one copy: the ranks' copies must agree, see ``plan_writes``)."""
     st = current()
     out: dict[str, Any] = {"model_class": type(model).__name__,
                            "params": _param_layout(model, st.rank, st.size),
@@ -156,10 +158,25 @@ def layout(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
         _init_state(optimizer, model)
         out["optimizer_class"] = type(optimizer).__name__
         out["optimizer"] = _optimizer_layout(optimizer, model, out["params"])
+    if sums:
+        out["sums"] = {"params": _sums(model.parameters(), out["params"]),
+                       "optimizer": _sums(optimizer.state, out["optimizer"])
+                       if optimizer is not None else {}}
     return out
 
 
-def describe(name: str, optimizer: str | None = None) -> dict[str, Any]:
+def _sums(tree: Any, specs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """Each whole tensor's sum and sum of squares (float32), by canonical path."""
+    arrays = dict(tree_flatten(tree))
+    whole = [c for c, spec in specs.items() if spec["axis"] is None]
+    if not whole:
+        return {}
+    flat = [arrays[specs[c]["raw"]].astype(mx.float32).reshape(-1) for c in whole]
+    table = mx.stack([mx.stack([mx.sum(a), mx.sum(a * a)]) for a in flat]).tolist()
+    return dict(zip(whole, table, strict=True))
+
+
+def describe(name: str, optimizer: str | None = None, sums: bool = False) -> dict[str, Any]:
     """:func:`layout` of model ``name`` (and optimizer ``optimizer``) on this rank.
 
     Returns ``{"defined": False, "what": ...}`` when ``name`` is not a model here (the
@@ -174,7 +191,7 @@ def describe(name: str, optimizer: str | None = None) -> dict[str, Any]:
     opt = ns.get(optimizer) if optimizer is not None else None
     if optimizer is not None and not _is_optimizer(opt):
         return {"defined": True, **layout(model), "optimizer_defined": False}
-    return {"defined": True, **layout(model, opt), "optimizer_defined": True}
+    return {"defined": True, **layout(model, opt, sums), "optimizer_defined": True}
 
 
 def _param_layout(model: nn.Module, rank: int, size: int) -> dict[str, dict[str, Any]]:
@@ -346,6 +363,18 @@ def write_shard(model: nn.Module, directory: str, staging: str,
     out.update(file=final.name, sha256=sha256(final), bytes=final.stat().st_size,
                keys={k: k for k in arrays})
     return out
+
+
+def check_tokenizer(source: str) -> None:
+    """Refuse a ``tokenizer_from`` that is no folder or holds no tokenizer file (the
+    consolidated model would not load in mlx-lm)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        raise CheckpointError(f"tokenizer_from (--tokenizer-from) {source}: no such folder")
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"tokenizer_from (--tokenizer-from) {source} holds none of a tokenizer's files "
+            f"({', '.join(TOKENIZER_FILES)}): give the mlx-lm model folder it came from")
 
 
 def _copy_tokenizer(source: Path, folder: Path) -> list[str]:
@@ -557,8 +586,10 @@ def save_here(model: nn.Module, directory: str | os.PathLike[str], optimizer: An
     directory = str(Path(directory).expanduser().absolute())
 
     def first() -> dict[str, Any]:
-        out = {"layout": layout(model, optimizer), "there": None, "token": ""}
+        out = {"layout": layout(model, optimizer, sums=True), "there": None, "token": ""}
         if st.rank == 0:
+            if tokenizer_from:
+                check_tokenizer(str(Path(tokenizer_from).expanduser().absolute()))
             out.update(there=inspect(directory), token=uuid.uuid4().hex[:10])
         return out
 

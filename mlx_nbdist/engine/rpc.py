@@ -296,8 +296,8 @@ def checksums(name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:
 # -------------------------------------------------------------------- checkpoints
 
 #: the steps of a save or load that run on a rank (functions of :mod:`.checkpoint`)
-CHECKPOINT_STEPS = ("describe", "inspect", "save_shard", "discard", "commit", "verify_files",
-                    "load_shard")  # fmt: skip
+CHECKPOINT_STEPS = ("describe", "inspect", "check_tokenizer", "save_shard", "discard", "commit",
+                    "verify_files", "load_shard")  # fmt: skip
 
 
 def checkpoint(step: str, *args: Any, **kwargs: Any) -> Any:
