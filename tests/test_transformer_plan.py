@@ -263,3 +263,22 @@ def test_a_sharded_model_is_not_sharded_again(lm):
             p.check()
         # its heads are each rank's share already: no head count is called wrong
         assert not any("do not divide" in x or "does not divide" in x for x in p.problems)
+
+
+def test_a_model_that_is_itself_a_block_is_named_so():
+    """The user trial's MLP at the model's root was named by an empty path:
+    '   (mlp block) has up inplace-all-to-sharded, ...'."""
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(8, 16)
+            self.down = nn.Linear(16, 8)
+
+        def __call__(self, x):
+            return self.down(nn.relu(self.up(x)))
+
+    p = plan(MLP(), "inplace-all-to-sharded", group_size=2)
+    assert any(x.startswith("the model's own mlp block has up inplace-all-to-sharded, down "
+                            "inplace-all-to-sharded: its outputs will not equal")
+               for x in p.problems), p.problems

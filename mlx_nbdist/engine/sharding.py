@@ -736,7 +736,7 @@ def _resolve_roles(blocks: list[transformer.Block], result: ShardPlan) -> dict[s
     for block in blocks:
         if block.refusal:
             result.problems.append(
-                f"megatron cannot shard {block.path} correctly: {block.refusal}")
+                f"megatron cannot shard {block.name} correctly: {block.refusal}")
         else:
             modes.update(block.modes)
     return modes
@@ -1252,8 +1252,9 @@ def _block_layouts(blocks: list[transformer.Block], layers: dict[str, nn.Module]
         if not right:
             got = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in modes.items())
             want = ", ".join(f"{p.rsplit('.', 1)[-1]} {m}" for p, m in block.modes.items())
-            text = (f"{block.path} ({block.kind} block) has {got}: its outputs will not "
-                    f"equal the unsharded model's; tensor parallelism needs {want}")
+            what = f"{block.path} ({block.kind} block)" if block.path else block.name
+            text = (f"{what} has {got}: its outputs will not equal the unsharded model's; "
+                    f"tensor parallelism needs {want}")
             if any(p in planned for p in block.modes):
                 problems.append(text + _megatron_hint(block, n_ranks))
             else:

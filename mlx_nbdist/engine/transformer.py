@@ -93,6 +93,11 @@ class Block:
     head_dim: int | None = None
     refusal: str = ""
 
+    @property
+    def name(self) -> str:
+        """The block's path, as a message names it (the model's own, at its root)."""
+        return self.path or f"the model's own {self.kind} block"
+
     def head_row(self, n_ranks: int) -> HeadRow:
         """The plan's line for this attention block over ``n_ranks`` ranks."""
         heads = self.heads[1] if self.heads else 0
@@ -185,12 +190,12 @@ def _refusal(block: Block, module: nn.Module, children: dict[str, nn.Module],
                 "rows side by side), which an even split per rank does not respect")
     if block.kind == BlockKind.ATTENTION:
         if block.heads is None:
-            return (f"{block.path} has {', '.join(sorted(projections))} but no head count "
+            return (f"{block.name} has {', '.join(sorted(projections))} but no head count "
                     f"attribute ({' / '.join(HEAD_ATTRS)}), so its heads cannot be divided")
         missing = [r for r in (("q_proj", "wq"), ("o_proj", "out_proj", "wo", "c_proj"))
                    if not any(k in projections for k in r)]
         if missing:
-            return (f"{block.path} has no {' / '.join(missing[0])} projection: the rules "
+            return (f"{block.name} has no {' / '.join(missing[0])} projection: the rules "
                     "need the query and output projections of an attention block")
     for key, value in sorted(module.items()):
         if key in projections or not tree_flatten(_params_of(value)):
