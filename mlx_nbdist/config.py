@@ -9,6 +9,7 @@ Importing this module imports nothing but the standard library.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -142,9 +143,8 @@ class Policy:
                     f"policy: {key!r} is not a supervisor timing; known: {', '.join(sorted(names))}"
                 )
             ok = value is None and key == "timeout"
-            if not ok and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            ):
+            if not ok and (isinstance(value, bool) or not isinstance(value, int | float)
+                           or not math.isfinite(value) or value < 0):
                 raise ValueError(f"policy: {key} must be a number of seconds >= 0, got {value!r}")
             out[key] = None if value is None else float(value)
         return Policy(**out)

@@ -24,7 +24,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
-from traitlets import Bool, Dict, Float, Integer, Unicode
+from traitlets import Bool, Dict, Float, Integer, TraitError, Unicode, validate
 
 from . import api, autopx, config, launchers, processes
 from .client import checkpoint, models
@@ -98,14 +98,27 @@ def _seconds(text: str) -> float:
 def _config_timeout(value: float) -> float | None:
     """``MLXDist.timeout`` as a deadline (``None``: none), or a UsageError saying why
     the value set with ``%config`` is not one."""
+    problem = _timeout_problem(value)
+    if problem:
+        raise UsageError(f"%config {problem}; nothing was run")
+    return float(value) or None
+
+
+def _timeout_problem(value: Any) -> str | None:
     if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
-        return float(value) or None
+        return None
     shown = f"{value:g}" if isinstance(value, float) else repr(value)
-    raise UsageError(
-        f"%config MLXDist.timeout = {shown} is not a deadline: set a number of seconds "
-        "> 0, or 0 for no deadline (e.g. %config MLXDist.timeout = 300); "
-        "nothing was run"
-    )
+    return (f"MLXDist.timeout = {shown} is not a deadline: set a number of seconds > 0, or 0 "
+            "for no deadline (e.g. %config MLXDist.timeout = 300)")
+
+
+def _setting(name: str, value: Any, ok: bool, want: str) -> Any:
+    """``value`` for ``%config MLXDist.<name>``, or the TraitError %config prints (the
+    setting then keeps its value)."""
+    if not ok:
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise TraitError(f"MLXDist.{name} = {shown} is not {want}; the setting is unchanged")
+    return value
 
 
 def _line_parser() -> _Parser:
@@ -253,6 +266,39 @@ class MLXDist(Magics):
         help="characters of a cell's output per rank shown in the notebook (0: all); the "
         "rest is kept in a file in the session directory, and a line says where",
     ).tag(config=True)
+
+    # -- settings are checked when set: %config prints the error, keeps the old value
+    @validate("n")
+    def _check_n(self, proposal: Any) -> Any:
+        v = proposal["value"]
+        return _setting("n", v, math.isfinite(v) and v >= 1 and v == int(v),
+                        "a number of ranks: set a whole number >= 1")
+
+    @validate("timeout")
+    def _check_timeout(self, proposal: Any) -> Any:
+        problem = _timeout_problem(proposal["value"])
+        if problem:
+            raise TraitError(f"{problem}; the setting is unchanged")
+        return proposal["value"]
+
+    @validate("start_timeout")
+    def _check_start_timeout(self, proposal: Any) -> Any:
+        v = proposal["value"]
+        return _setting("start_timeout", v, math.isfinite(v) and v > 0,
+                        "a time to start in: set a number of seconds > 0")
+
+    @validate("output_limit")
+    def _check_output_limit(self, proposal: Any) -> Any:
+        return _setting("output_limit", proposal["value"], proposal["value"] >= 0,
+                        "a number of characters: set one >= 0 (0: all)")
+
+    @validate("policy")
+    def _check_policy(self, proposal: Any) -> Any:
+        try:
+            config.Policy().updated(proposal["value"])
+        except ValueError as e:
+            raise TraitError(f"MLXDist.{e}; the setting is unchanged") from None
+        return proposal["value"]
 
     #: (the setting, the Policy built from it, that Policy's values) - see _policy
     _last_policy: tuple[dict[str, Any], config.Policy, dict[str, Any]] | None = None

@@ -124,6 +124,31 @@ def test_config_sets_defaults(ip, capfd) -> None:
     ip.run_line_magic("config", "MLXDist.timeout = 300.0")
 
 
+@pytest.mark.parametrize(("line", "said"), [
+    ("n = 2.5", "MLXDist.n = 2.5 is not a number of ranks"),
+    ("n = 0", "MLXDist.n = 0 is not a number of ranks"),
+    ("timeout = -5", "MLXDist.timeout = -5 is not a deadline"),
+    ("timeout = float('nan')", "MLXDist.timeout = nan is not a deadline"),
+    ("start_timeout = 0", "MLXDist.start_timeout = 0 is not a time to start in"),
+    ("output_limit = -1", "MLXDist.output_limit = -1 is not a number of characters"),
+    ("policy = {'bogus': 1}", "MLXDist.policy: 'bogus' is not a supervisor timing"),
+    ("policy = {'interrupt_grace': -1}", "MLXDist.policy: interrupt_grace must be a number of "
+     "seconds >= 0, got -1"),
+    ("policy = {'drain_timeout': float('nan')}", "drain_timeout must be a number of seconds"),
+])
+def test_a_bad_setting_is_refused_when_set_naming_it(ip, caplog, line: str, said: str) -> None:
+    """The user trial: bad values were taken silently and failed only at the next start
+    or cell (``n = 2.5`` started 2 ranks). %config prints the error and keeps the old
+    value."""
+    magics = next(m for m in ip.configurables if type(m).__name__ == "MLXDist")
+    name = line.split()[0]
+    before = getattr(magics, name)
+    with caplog.at_level("ERROR"):
+        ip.run_line_magic("config", f"MLXDist.{line}")
+    assert said in caplog.text and "the setting is unchanged" in caplog.text, caplog.text
+    assert getattr(magics, name) == before
+
+
 def test_start_on_a_broken_session_says_restart(ip, capfd) -> None:
     import os
     import signal
