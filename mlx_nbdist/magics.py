@@ -114,10 +114,11 @@ def _timeout_problem(value: Any) -> str | None:
 
 def _setting(name: str, value: Any, ok: bool, want: str) -> Any:
     """``value`` for ``%config MLXDist.<name>``, or the TraitError %config prints (the
-    setting then keeps its value)."""
+    setting then keeps its value; IPython's own config keeps the bad one, so a later
+    ``%reload_ext`` says it too)."""
     if not ok:
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
-        raise TraitError(f"MLXDist.{name} = {shown} is not {want}; the setting is unchanged")
+        raise TraitError(f"MLXDist.{name} = {shown} is not {want}")
     return value
 
 
@@ -278,7 +279,7 @@ class MLXDist(Magics):
     def _check_timeout(self, proposal: Any) -> Any:
         problem = _timeout_problem(proposal["value"])
         if problem:
-            raise TraitError(f"{problem}; the setting is unchanged")
+            raise TraitError(problem)
         return proposal["value"]
 
     @validate("start_timeout")
@@ -297,7 +298,7 @@ class MLXDist(Magics):
         try:
             config.Policy().updated(proposal["value"])
         except ValueError as e:
-            raise TraitError(f"MLXDist.{e}; the setting is unchanged") from None
+            raise TraitError(f"MLXDist.{e}") from None
         return proposal["value"]
 
     #: (the setting, the Policy built from it, that Policy's values) - see _policy

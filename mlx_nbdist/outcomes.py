@@ -228,7 +228,7 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
     evalue = getattr(err, "evalue", str(err))
     tb = getattr(err, "traceback", None)
     if isinstance(tb, str):
-        lines = tb.splitlines()
+        lines = [tb]
     elif isinstance(tb, list):
         lines = [str(x) for x in tb]
     else:
@@ -250,19 +250,31 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
     )
 
 
-def _trim_internal(lines: list[str]) -> list[str]:
-    """Drop the traceback blocks of mlx_nbdist's own engine wrappers."""
-    blocks: list[list[str]] = [[]]
-    for line in lines:
-        if not line.strip():
-            blocks.append([])
-        else:
-            blocks[-1].append(line)
-    keep = [b for b in blocks if b and not any("mlx_nbdist/engine/" in x for x in b[:1])]
+#: a traceback block's first line, of a frame that is not the user's: mlx_nbdist's
+#: engine wrappers, ipyparallel's apply (``do_apply``) and the code string it runs
+_INTERNAL = ("mlx_nbdist/engine/", "ipyparallel/engine/kernel.py", "File <string>:1")
+
+
+def _trim_internal(entries: list[str]) -> list[str]:
+    """A traceback's lines without the blocks (frames) of mlx_nbdist's own engine
+    wrappers and of the ipyparallel apply that ran them. ``entries``: IPython's
+    structured traceback (an entry a header or frame), or one text."""
+    blocks: list[list[str]] = []
+    for entry in entries:
+        blocks.append([])
+        for line in entry.splitlines():
+            if not line.strip():
+                blocks.append([])
+            elif strip_ansi(line).startswith("File "):  # a frame, maybe right after the header
+                blocks.append([line])
+            else:
+                blocks[-1].append(line)
+    keep = [b for b in blocks
+            if b and not any(mark in strip_ansi(b[0]) for mark in _INTERNAL)]
     out: list[str] = []
     for b in keep:
         out += [*b, ""]
-    return out[:-1] if out else lines
+    return out[:-1] if out else [line for e in entries for line in e.splitlines()]
 
 
 def raise_for(result: CellResult, outcome: Outcome, timeout: float | None, notes: str = "") -> None:

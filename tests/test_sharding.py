@@ -676,6 +676,20 @@ def test_gradsync_tensor_parallel_and_a_desynced_replica(s2, ref, tmp_path):
     assert "layers.2.bias: rank 1" in str(report)
 
 
+def test_a_gradsync_step_that_fails_shows_the_users_frames_only(s2):
+    """The user trial: ``--step 'nosuch(net)'`` showed ipyparallel's do_apply frame and
+    'Could not get source, probably due dynamically evaluated source code.'"""
+    from mlx_nbdist import CellError
+    from mlx_nbdist.errors import strip_ansi
+
+    s2.run("gbad = build()")
+    with pytest.raises(CellError) as info:
+        mlx_nbdist.gradsync("gbad", "nosuch(gbad)", session=s2)
+    shown = strip_ansi("\n".join(info.value._render_traceback_()))
+    assert "NameError: name 'nosuch' is not defined" in shown, shown
+    assert "ipyparallel" not in shown and "Could not get source" not in shown, shown
+
+
 def test_gradsync_two_megatron_pairs_reports_the_backward_all_sum(s2, ref):
     s2.run('g2 = mlx_nbdist.shard(build_two_pairs(), "megatron")')
     g = mlx_nbdist.gradsync("g2", "loss_fn(g2, x, y)", session=s2)

@@ -26,6 +26,7 @@ zero-copy buffers instead of pickling them.
 
 from __future__ import annotations
 
+import linecache
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -264,7 +265,10 @@ def grad_samples(name: str, step: str, mode: str) -> dict[str, Any]:
         raise ValueError(f"gradsync takes a model name, not a path: {name!r}")
     model = _model_of(name, "gradsync")
     # on its own line: a trailing "# comment" in the step must not swallow the ")"
-    loss_fn = eval(f"lambda {name}: (\n{step}\n)", ns)  # noqa: S307 - the user's own expression
+    source = f"lambda {name}: (\n{step}\n)"
+    where = "<gradsync --step>"  # a traceback through it shows the step's line
+    linecache.cache[where] = (len(source), None, source.splitlines(True), where)
+    loss_fn = eval(compile(source, where, "eval"), ns)  # noqa: S307 - the user's own expression
     st = state.current()
     recorder = Recorder(st.rank, st.size, st.tracker.backend)
     recorder.cell = st.tracker.cell
