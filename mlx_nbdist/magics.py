@@ -84,14 +84,31 @@ def _ranks(text: str) -> list[int]:
 
 
 def _seconds(text: str) -> float:
+    """A ``--timeout``: seconds >= 0, 0 for no deadline."""
+    t = _number_of_seconds(text)
+    if t < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of seconds >= 0 (0 means no deadline)"
+        )
+    return t
+
+
+def _interval(text: str) -> float:
+    """A dashboard's ``--interval``: seconds > 0."""
+    t = _number_of_seconds(text)
+    if t <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds > 0 between "
+                                          "updates (e.g. 0.5)")
+    return t
+
+
+def _number_of_seconds(text: str) -> float:
     try:
         t = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(t) and t >= 0):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a number of seconds >= 0 (0 means no deadline)"
-        )
+    if not math.isfinite(t):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
     return t
 
 
@@ -182,7 +199,7 @@ def _line_parser() -> _Parser:
     tr.add_argument("-k", type=_positive_int, default=1, help="the last K profiled cells")
     dash = sub.add_parser("dashboard", add_help=False)
     dash.add_argument("--model", default=None, help="show this model's parameters per rank")
-    dash.add_argument("--interval", type=_seconds, default=0.5, help="seconds between updates")
+    dash.add_argument("--interval", type=_interval, default=0.5, help="seconds between updates")
     auto = sub.add_parser("auto", add_help=False)
     auto.add_argument("switch", choices=("on", "off"))
     return p
@@ -475,7 +492,7 @@ class MLXDist(Magics):
         print(f"wrote {path}: open it in https://ui.perfetto.dev or chrome://tracing")
 
     def _cmd_where(self, args: argparse.Namespace) -> None:
-        stacks = api.current_session().where()  # type: ignore[union-attr]
+        stacks = self._guard(self._session().where)
         print("\n".join(st.format() for st in stacks.values()))
 
     def _cmd_plan(self, args: argparse.Namespace) -> Any:
@@ -526,7 +543,7 @@ class MLXDist(Magics):
         global _DASHBOARD
         if _DASHBOARD is not None:  # the cell was run again: the old view is gone
             _DASHBOARD.close()
-        _DASHBOARD = dashboard(s, model=args.model, interval=args.interval or 0.5)
+        _DASHBOARD = dashboard(s, model=args.model, interval=args.interval)
 
     def _cmd_auto(self, args: argparse.Namespace) -> None:
         if args.switch == "on":

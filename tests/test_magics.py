@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -116,6 +117,8 @@ def test_start_cell_status_and_errors(ip, capfd) -> None:
     assert "stopped" in out
     res, out, err = run(ip, "%%mlxdist\n1", capfd)
     assert isinstance(res.error_in_exec, UsageError)
+    res, out, err = run(ip, "%mlxdist where", capfd)  # one line, as the others (no traceback)
+    assert isinstance(res.error_in_exec, UsageError) and "the session is stopped" in out + err
 
 
 def test_config_sets_defaults(ip, capfd) -> None:
@@ -235,3 +238,18 @@ def test_policy_is_rebuilt_only_when_the_setting_changes(ip) -> None:
     with pytest.raises(TraitError, match="drain_timeout"):  # refused when set
         m.policy = {"drain_timeout": -1}
     assert m._policy() is changed
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("-1", "'-1': give a number of seconds > 0 between updates (e.g. 0.5)"),
+    ("0", "'0': give a number of seconds > 0 between updates"),
+    ("nan", "'nan' is not a number of seconds"),
+])
+def test_a_dashboard_interval_that_is_not_one_is_refused(value: str, said: str) -> None:
+    """The user trial: -1 was refused with the deadline's words ('0 means no
+    deadline'), and 0 became 0.5 without a word."""
+    from mlx_nbdist.magics import MLXDist, _line_parser
+
+    with pytest.raises(UsageError, match=re.escape(said)):
+        MLXDist._parse(_line_parser(), f"dashboard --interval {value}")
+    assert MLXDist._parse(_line_parser(), "dashboard --interval 0.25").interval == 0.25
