@@ -178,6 +178,17 @@ def test_generate_from_an_fsdp_model_which_hides_its_layers(s2, lm):
     assert set(map(tuple, s2.pull("gf_tokens").values())) == {tuple(want)}
 
 
+def test_a_prompt_token_outside_the_vocabulary_is_refused(s2):
+    """MLX reads an embedding past its table without a word (mlx-lm generates from it);
+    the user trial's [1, 2, 300] with vocab_size 256 ran without complaint."""
+    with pytest.raises(CellError) as info:
+        s2.run('gen_v = mlx_nbdist.shard(build_lm("llama"), "megatron")\n'
+               "mlx_nbdist.generate(gen_v, [1, 2, 300], max_tokens=2)")
+    assert ("generate: token id 300 of the prompt is outside the model's vocabulary (0 to "
+            "255: vocab_size 256)") in str(info.value), str(info.value)
+    assert s2.state == "ready"
+
+
 def test_four_bit_model_sharded_by_its_own_shard(s2, lm):
     s2.run('q4_full = build_lm("llama")\nnn.quantize(q4_full, group_size=32, bits=4)\n'
            'q4 = build_lm("llama")\nnn.quantize(q4, group_size=32, bits=4)\n'

@@ -94,6 +94,7 @@ def generate(
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     inner = unwrap(model)
+    _in_vocabulary(tokens_in, getattr(getattr(inner, "args", None), "vocab_size", None))
     cache = lm.make_prompt_cache(inner)
     show = echo is True or (echo is not False and group.rank() == int(echo))
     out: list[int] = []
@@ -136,6 +137,18 @@ def _prompt_tokens(prompt: Any, tokenizer: Any) -> mx.array:
         raise TypeError(f"generate: the prompt must be a non-empty 1-D list of token ids, got "
                         f"shape {tuple(arr.shape)} dtype {arr.dtype}")
     return arr
+
+
+def _in_vocabulary(tokens: mx.array, vocab: Any) -> None:
+    """Refuse a token id the model has no embedding for: MLX reads past the table
+    without a word (mlx-lm too), and the text generated from it means nothing."""
+    if not isinstance(vocab, int):
+        return
+    bad = [t for t in (int(tokens.min().item()), int(tokens.max().item()))
+           if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"generate: token id {bad[0]} of the prompt is outside the model's "
+                         f"vocabulary (0 to {vocab - 1}: vocab_size {vocab})")
 
 
 def _echo(token: int, tokenizer: Any) -> None:
