@@ -94,6 +94,33 @@ def test_live_view_throttle_shows_a_held_back_update_when_its_interval_ends(
     assert live.LiveOutput([0])._interval(0) == pytest.approx(1 / live.MAX_UPDATES_PER_SECOND)
 
 
+def test_an_area_kept_for_order_shows_its_failed_ranks_header(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 wrote, so an area was made above it for rank 0; rank 0 failed without a
+    word: its area said nothing at all (the user trial), now its header and status."""
+    from mlx_nbdist.viz import live
+
+    shown: dict[int, str] = {}
+
+    class Handle:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def update(self, bundle: dict[str, str], raw: bool = False) -> None:
+            shown[self.rank] = bundle["text/plain"]
+
+    view = live.LiveOutput([0, 1, 2])
+    monkeypatch.setattr(view, "_ensure_handles",
+                        lambda upto: [view._handles.setdefault(r, Handle(r))
+                                      for r in range(upto + 1)])
+    view(OutputEvent(1, Kind.STDOUT, text="one\n"))
+    assert shown == {1: "[rank 1]\none"}
+    view.status[0] = view.status[2] = "error"
+    view.finish(None)
+    assert shown == {0: "[rank 0] (error)", 1: "[rank 1]\none"}  # rank 2 had no area
+
+
 def test_output_arrives_while_the_cell_runs_in_order(session2: Session) -> None:
     t0 = time.monotonic()
     events: list[tuple[float, OutputEvent]] = []

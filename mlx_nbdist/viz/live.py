@@ -69,9 +69,11 @@ class LiveOutput:
     # -- rendering ---------------------------------------------------------------------
     def _visible(self, rank: int) -> bool:
         """Shown: what the rank wrote, while the cell runs; once it ended, under
-        ``quiet``, only where the rank did not finish normally."""
-        return bool(self.streams[rank].items) and not (
-            self.quiet and self._finished and self.status[rank] == OK)
+        ``quiet``, only where the rank did not finish normally. An area made to keep
+        the ranks in order that stayed empty shows its header if its rank failed."""
+        if not self.streams[rank].items:
+            return self._finished and self.status[rank] != OK and rank in self._handles
+        return not (self.quiet and self._finished and self.status[rank] == OK)
 
     def _render(self, rank: int, force: bool = False) -> None:
         stream = self.streams[rank]
