@@ -408,3 +408,12 @@ def test_grouping_keeps_rank_numbers_and_each_distinct_traceback() -> None:
     assert "last collectives on ranks 3-4: #3 all_sum shape=(2,) dtype=float32" in text
     assert text.splitlines()[0] == "CellError: 5 of 5 ranks failed"
     assert text.splitlines()[-1] == "summary line"
+
+
+def test_a_breakpoint_on_a_rank_says_it_cannot_stop_there(session2) -> None:
+    """pdb on an engine read nothing and went on without a word (the user trial)."""
+    r = session2.run("if rank == 1:\n    breakpoint()\nprint('after', rank)")
+    assert "breakpoint() on rank 1: a rank has no terminal to debug in" in r.ranks[1].stderr, (
+        r.ranks[1].stderr)
+    assert "%mlxdist where" in r.ranks[1].stderr and not r.ranks[0].stderr
+    assert [r.stdout(k).strip() for k in (0, 1)] == ["after 0", "after 1"]

@@ -26,6 +26,7 @@ only.)
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -369,5 +370,16 @@ def _prepare_shell(mx: Any, nn: Any, st: state.EngineState) -> None:
     # else the engine (ipykernel) chose the inline backend: figures show inline once a
     # cell imports matplotlib, which is not imported here (0.45 s of every start)
     cells.install_hooks(ip)
+    sys.breakpointhook = functools.partial(_no_debugger, st.rank)
+
+
+def _no_debugger(rank: int, *args: Any, **kwargs: Any) -> None:
+    """``breakpoint()`` on a rank: no terminal to debug in (pdb read nothing and went
+    on without a word): say so, and go on."""
+    print(f"breakpoint() on rank {rank}: a rank has no terminal to debug in, so it goes on. "
+          "To see where the ranks are, run %mlxdist where (or the dashboard); to look at "
+          "values, print them, or pull them into the notebook "
+          "(mlx_nbdist.current_session().pull('name')).",
+          file=sys.stderr)
 
 
