@@ -411,8 +411,7 @@ def _same_copies(kind: str, whole: dict[str, TensorEntry], holders: dict[str, li
         ref = sums[ranks[0]]
         if ref is None:
             continue
-        differ = [r for r in ranks[1:] if sums[r] is not None and any(
-            abs(a - b) > 1e-5 * max(abs(b), 1.0) for a, b in zip(sums[r], ref, strict=True))]
+        differ = [r for r in ranks[1:] if sums[r] is not None and not _same_sums(sums[r], ref)]
         if differ:
             bad.append(f"{path}: " + (f"ranks {', '.join(map(str, differ))} differ"
                                       if len(differ) > 1 else f"rank {differ[0]} differs")
@@ -423,10 +422,23 @@ def _same_copies(kind: str, whole: dict[str, TensorEntry], holders: dict[str, li
         listed = "\n  - ".join(bad)
         raise CheckpointError(
             f"{len(bad)} replicated {what} {'differs' if len(bad) == 1 else 'differ'} across "
-            "ranks, and a checkpoint keeps one "
-            "copy of each (the lowest rank's): the others' would be lost. Make the copies "
-            "equal first (average the gradients with nn.average_gradients, or load the "
-            f"same weights on every rank):\n  - {listed}")
+            "ranks, and a checkpoint keeps one copy of each (the lowest rank's): the others' "
+            "would be lost. Make the copies equal first (average the gradients with "
+            "nn.average_gradients, or load the same weights on every rank). A layer sliced "
+            "in place with MLX's shard_inplace, or an optimizer entry kept per slice, looks "
+            f"whole and differs too: a checkpoint cannot hold it yet.\n  - {listed}")
+
+
+def _same_sums(got: list[float], ref: list[float]) -> bool:
+    """Two copies' sums (see ``engine.checkpoint._sums``) agree: to 1e-5 of their size,
+    and exactly where not finite (inf and NaN compare as themselves)."""
+    for a, b in zip(got, ref, strict=True):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            if not (a == b or (math.isnan(a) and math.isnan(b))):
+                return False
+        elif abs(a - b) > 1e-5 * max(abs(b), 1.0):
+            return False
+    return True
 
 
 def _same_layout(path: str, entry: TensorEntry, spec: dict[str, Any], rank: int) -> None:

@@ -86,7 +86,7 @@ def _ranks(text: str) -> list[int]:
 def _seconds(text: str) -> float:
     """A ``--timeout``: seconds >= 0, 0 for no deadline."""
     t = _number_of_seconds(text)
-    if t < 0:
+    if not (math.isfinite(t) and t >= 0):
         raise argparse.ArgumentTypeError(
             f"{text!r}: give a number of seconds >= 0 (0 means no deadline)"
         )
@@ -96,7 +96,7 @@ def _seconds(text: str) -> float:
 def _interval(text: str) -> float:
     """A dashboard's ``--interval``: seconds > 0."""
     t = _number_of_seconds(text)
-    if t <= 0:
+    if not (math.isfinite(t) and t > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds > 0 between "
                                           "updates (e.g. 0.5)")
     return t
@@ -104,12 +104,9 @@ def _interval(text: str) -> float:
 
 def _number_of_seconds(text: str) -> float:
     try:
-        t = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(t):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
-    return t
 
 
 def _config_timeout(value: float) -> float | None:

@@ -250,9 +250,13 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
     )
 
 
-#: a traceback block's first line, of a frame that is not the user's: mlx_nbdist's
-#: engine wrappers, ipyparallel's apply (``do_apply``) and the code string it runs
-_INTERNAL = ("mlx_nbdist/engine/", "ipyparallel/engine/kernel.py", "File <string>:1")
+#: how IPython begins a frame of a traceback: ``File /path/to/x.py:157, in fn(...)``
+_FRAME = re.compile(r"File (?:.+\.py|<[^>]+>):\d+(?:, in .*)?$")
+#: the frames that are not the user's: mlx_nbdist's engine wrappers, ipyparallel's
+#: apply (``do_apply``) and the one-line code string it runs
+_INTERNAL = re.compile(r"File (?:.*/mlx_nbdist/engine/[^/]+\.py"
+                       r"|.*/ipyparallel/engine/kernel\.py|<string>):\d+(?:, in .*)?$")
+_APPLY_LINE = re.compile(r"File <string>:1(?:, in .*)?$")
 
 
 def _trim_internal(entries: list[str]) -> list[str]:
@@ -265,16 +269,23 @@ def _trim_internal(entries: list[str]) -> list[str]:
         for line in entry.splitlines():
             if not line.strip():
                 blocks.append([])
-            elif strip_ansi(line).startswith("File "):  # a frame, maybe right after the header
+            elif _FRAME.match(strip_ansi(line)):  # a frame, maybe right after the header
                 blocks.append([line])
             else:
                 blocks[-1].append(line)
-    keep = [b for b in blocks
-            if b and not any(mark in strip_ansi(b[0]) for mark in _INTERNAL)]
+    keep = [b for b in blocks if b and not _internal(strip_ansi(b[0]))]
     out: list[str] = []
     for b in keep:
         out += [*b, ""]
     return out[:-1] if out else [line for e in entries for line in e.splitlines()]
+
+
+def _internal(first: str) -> bool:
+    """Whether a block beginning with line ``first`` is a frame of ours or of the
+    apply that ran it (a ``<string>`` frame only at line 1: a user's ``exec`` runs on)."""
+    match = _INTERNAL.match(first)
+    return bool(match) and (not first.startswith("File <string>") or bool(
+        _APPLY_LINE.match(first)))
 
 
 def raise_for(result: CellResult, outcome: Outcome, timeout: float | None, notes: str = "") -> None:

@@ -134,6 +134,17 @@ def test_a_slice_missing_from_the_index_is_named():
         pieces("w", entry, Layout((8, 8)), 0)
 
 
+def test_copies_sums_agree_to_a_tolerance_and_exactly_where_not_finite():
+    from mlx_nbdist.checkpoint_index import _same_sums
+
+    assert _same_sums([1.0, 2.0, 3.0], [1.0 + 1e-7, 2.0, 3.0])
+    assert not _same_sums([1.0, 2.0, 3.0], [1.1, 2.0, 3.0])
+    inf, nan = float("inf"), float("nan")
+    assert _same_sums([inf, nan, 1.0], [inf, nan, 1.0])
+    assert not _same_sums([1.0, 2.0, 3.0], [inf, 2.0, 3.0])  # inf > inf was False
+    assert not _same_sums([nan, 2.0, 3.0], [1.0, 2.0, 3.0])
+
+
 def test_covering_runs_are_the_box_in_c_order():
     shape = (3, 4, 5)
     flat = np.arange(60)
@@ -400,6 +411,23 @@ def test_replicated_copies_that_differ_are_not_saved_as_one(s2: Any, tmp_path: P
     assert "layers.2.bias: rank 1 differs from rank 0" in str(cell.value), str(cell.value)
     s2.run("dv.layers[2].bias = mx.distributed.all_sum(dv.layers[2].bias, group=world) / 2")
     save("dv", tmp_path / "x", session=s2)  # once equal, saved
+    # a copy in another order has the same sum and sum of squares: told apart too
+    s2.run("if rank == 1:\n    dv.layers[2].bias = dv.layers[2].bias[::-1]")
+    with pytest.raises(CheckpointError, match=r"layers.2.bias: rank 1 differs from rank 0"):
+        save("dv", tmp_path / "x", session=s2)
+
+
+def test_frozen_state_that_differs_by_rank_by_design_is_saved(s2: Any, tmp_path: Path):
+    """BatchNorm's running statistics follow each rank's own batches in data-parallel
+    training: not a copy gone astray (a reviewer's case against the check above)."""
+    from mlx_nbdist.client.checkpoint import read_index, save
+
+    s2.run("bn = nn.BatchNorm(4)\nmx.eval(bn(mx.random.normal((8, 4)) + rank))\n"
+           "bn_mean = bn.running_mean.tolist()")
+    means = s2.pull("bn_mean")
+    assert means[0] != means[1]
+    save("bn", tmp_path / "bn", session=s2)
+    assert "running_mean" in read_index(tmp_path / "bn").params
 
 
 def test_a_tokenizer_folder_that_is_not_one_is_refused(s2: Any, tmp_path: Path):

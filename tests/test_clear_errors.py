@@ -417,3 +417,26 @@ def test_a_breakpoint_on_a_rank_says_it_cannot_stop_there(session2) -> None:
         r.ranks[1].stderr)
     assert "%mlxdist where" in r.ranks[1].stderr and not r.ranks[0].stderr
     assert [r.stdout(k).strip() for k in (0, 1)] == ["after 0", "after 1"]
+
+
+def test_a_rank_traceback_loses_only_our_frames_and_the_applys() -> None:
+    """ipyparallel's do_apply and its one-line code string, and mlx_nbdist's engine
+    frames, go; a user's exec'd code (``<string>`` past line 1), a step's frame and a
+    message line that names a file stay (a reviewer's cases)."""
+    from mlx_nbdist.outcomes import _trim_internal
+
+    tb = ("-----\nNameError   Traceback (most recent call last)\n"
+          "File /x/site-packages/ipyparallel/engine/kernel.py:157, in Kernel.do_apply(self)\n"
+          "--> 157 exec(code)\n\n"
+          "File <string>:1\n----> 1 'Could not get source'\n\n"
+          "File /x/site-packages/mlx_nbdist/engine/rpc.py:12, in call(meta)\n   12 x\n\n"
+          "File <string>:14, in f()\n---> 14 user\n\n"
+          "File <gradsync --step>:2, in <lambda>(g)\n----> 2 nosuch(g)\n\n"
+          "NameError: File /x/mlx_nbdist/engine/a.py:3, in f is in the message")
+    kept = "\n".join(_trim_internal([tb]))
+    assert "ipyparallel" not in kept and "Could not get source" not in kept
+    assert "rpc.py" not in kept
+    assert "File <string>:14, in f()" in kept and "nosuch(g)" in kept
+    assert kept.endswith("NameError: File /x/mlx_nbdist/engine/a.py:3, in f is in the message")
+    assert _trim_internal(["File /x/mlx_nbdist/engine/rpc.py:1, in f\n  x"]) == [
+        "File /x/mlx_nbdist/engine/rpc.py:1, in f", "  x"]  # all ours: kept whole

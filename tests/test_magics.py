@@ -243,7 +243,8 @@ def test_policy_is_rebuilt_only_when_the_setting_changes(ip) -> None:
 @pytest.mark.parametrize(("value", "said"), [
     ("-1", "'-1': give a number of seconds > 0 between updates (e.g. 0.5)"),
     ("0", "'0': give a number of seconds > 0 between updates"),
-    ("nan", "'nan' is not a number of seconds"),
+    ("nan", "'nan': give a number of seconds > 0 between updates"),
+    ("soon", "'soon' is not a number of seconds"),
 ])
 def test_a_dashboard_interval_that_is_not_one_is_refused(value: str, said: str) -> None:
     """The user trial: -1 was refused with the deadline's words ('0 means no

@@ -159,21 +159,28 @@ def layout(model: nn.Module, optimizer: Any = None, sums: bool = False) -> dict[
         out["optimizer_class"] = type(optimizer).__name__
         out["optimizer"] = _optimizer_layout(optimizer, model, out["params"])
     if sums:
-        out["sums"] = {"params": _sums(model.parameters(), out["params"]),
+        # trainable only: frozen state may differ by rank by design (BatchNorm's
+        # running statistics follow each rank's own batches)
+        out["sums"] = {"params": _sums(model.trainable_parameters(), out["params"]),
                        "optimizer": _sums(optimizer.state, out["optimizer"])
                        if optimizer is not None else {}}
     return out
 
 
 def _sums(tree: Any, specs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
-    """Each whole tensor's sum and sum of squares (float32), by canonical path."""
+    """Each whole tensor of ``tree``'s sum, sum of squares and position-weighted sum
+    (float32; the last tells a reordered copy), by canonical path. One tensor at a
+    time: a float32 copy of each at once would need their size again in memory."""
     arrays = dict(tree_flatten(tree))
-    whole = [c for c, spec in specs.items() if spec["axis"] is None]
-    if not whole:
-        return {}
-    flat = [arrays[specs[c]["raw"]].astype(mx.float32).reshape(-1) for c in whole]
-    table = mx.stack([mx.stack([mx.sum(a), mx.sum(a * a)]) for a in flat]).tolist()
-    return dict(zip(whole, table, strict=True))
+    out = {}
+    for c, spec in specs.items():
+        a = arrays.get(spec["raw"])
+        if spec["axis"] is not None or not isinstance(a, mx.array):
+            continue
+        flat = a.astype(mx.float32).reshape(-1)
+        weights = mx.arange(1, flat.size + 1, dtype=mx.float32) / max(flat.size, 1)
+        out[c] = mx.stack([mx.sum(flat), mx.sum(flat * flat), mx.sum(flat * weights)]).tolist()
+    return out
 
 
 def describe(name: str, optimizer: str | None = None, sums: bool = False) -> dict[str, Any]:
