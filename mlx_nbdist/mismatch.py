@@ -122,6 +122,8 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
         partner = " and ".join(known) if known else "another collective on another rank"
         text = (f"collective {p['n']} of this cell ({what}) ran on rank {rank} together "
                 f"with {partner}")
+    if not issued_alike:  # the cause is said already; which ran with which is the fact
+        return f"{text}."
     left = sorted({r for r, q in problems if q.get("settled")})
     if left:
         cells = "its cell" if len(left) == 1 else "their cells"
@@ -131,8 +133,6 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
                 "then, in the order they were issued, while the other ranks had run them in "
                 "the order their mx.eval chose (mx.eval(a, b) may run b first): the values "
                 "those ranks computed from them are wrong.")
-    if not issued_alike:  # the cause is said already: what the user must not trust
-        return f"{text}, so its values are wrong."
     return f"{text}. {ORDER_CONSEQUENCE}."
 
 

@@ -688,6 +688,12 @@ def test_a_gradsync_step_that_fails_shows_the_users_frames_only(s2):
     shown = strip_ansi("\n".join(info.value._render_traceback_()))
     assert "NameError: name 'nosuch' is not defined" in shown, shown
     assert "ipyparallel" not in shown and "Could not get source" not in shown, shown
+    assert "----> 2 nosuch(gbad)" in shown, shown  # the step's own line
+    # a step that gives no loss says so, naming the step (MLX's words named neither)
+    with pytest.raises(CellError) as info:
+        mlx_nbdist.gradsync("gbad", '"a string"', session=s2)
+    assert ("gradsync: --step '\"a string\"' gave a str, not the loss (a scalar mx.array, "
+            "or a tuple that starts with one)") in str(info.value), str(info.value)
 
 
 def test_gradsync_two_megatron_pairs_reports_the_backward_all_sum(s2, ref):

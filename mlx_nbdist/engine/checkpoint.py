@@ -377,7 +377,8 @@ def check_tokenizer(source: str) -> None:
     consolidated model would not load in mlx-lm)."""
     folder = Path(source)
     if not folder.is_dir():
-        raise CheckpointError(f"tokenizer_from (--tokenizer-from) {source}: no such folder")
+        what = "a file, not a folder" if folder.exists() else "no such folder"
+        raise CheckpointError(f"tokenizer_from (--tokenizer-from) {source}: {what}")
     if not any((folder / n).is_file() for n in TOKENIZER_FILES):
         raise CheckpointError(
             f"tokenizer_from (--tokenizer-from) {source} holds none of a tokenizer's files "

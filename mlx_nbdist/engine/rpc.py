@@ -256,6 +256,8 @@ def grad_samples(name: str, step: str, mode: str) -> dict[str, Any]:
     """One step whose loss is the expression ``step``: ``samples``, the GradSamples as
     dicts, and ``profile``, the step's timed collectives (a
     :class:`~.profile.Recorder`'s record, as a profiled cell publishes it)."""
+    import mlx.core as mx
+
     from .gradsync import grad_sync
     from .profile import Recorder, recording
 
@@ -268,7 +270,18 @@ def grad_samples(name: str, step: str, mode: str) -> dict[str, Any]:
     source = f"lambda {name}: (\n{step}\n)"
     where = "<gradsync --step>"  # a traceback through it shows the step's line
     linecache.cache[where] = (len(source), None, source.splitlines(True), where)
-    loss_fn = eval(compile(source, where, "eval"), ns)  # noqa: S307 - the user's own expression
+    step_fn = eval(compile(source, where, "eval"), ns)  # noqa: S307 - the user's own expression
+
+    def loss_fn(m: Any) -> Any:
+        loss = step_fn(m)
+        first = loss[0] if isinstance(loss, tuple) and loss else loss
+        if not (isinstance(first, mx.array) and first.size == 1):
+            got = (f"an mx.array of shape {tuple(first.shape)}" if isinstance(first, mx.array)
+                   else f"a {type(first).__name__}")
+            raise TypeError(f"gradsync: --step {step!r} gave {got}, not the loss (a scalar "
+                            "mx.array, or a tuple that starts with one)")
+        return loss
+
     st = state.current()
     recorder = Recorder(st.rank, st.size, st.tracker.backend)
     recorder.cell = st.tracker.cell
