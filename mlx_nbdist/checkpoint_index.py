@@ -384,8 +384,7 @@ def plan_writes(layouts: Layouts) -> tuple[dict[int, dict[str, list[str]]],
                         segments=spec["segments"], group_size=spec["group_size"],
                         kind=spec["kind"], layer=spec["layer"], of=spec.get("of", ""))
                 _same_layout(path, entries[path], spec, rank)
-        _same_copies(kind, {p: e for p, e in entries.items() if e.axis is None}, holders,
-                     layouts)
+        _same_copies(kind, [p for p, e in entries.items() if e.axis is None], holders, layouts)
         for path, entry in entries.items():
             ranks = holders[path]
             entry.holders = ranks
@@ -400,7 +399,7 @@ def plan_writes(layouts: Layouts) -> tuple[dict[int, dict[str, list[str]]],
     return writes, out[0], out[1]
 
 
-def _same_copies(kind: str, whole: dict[str, TensorEntry], holders: dict[str, list[int]],
+def _same_copies(kind: str, whole: list[str], holders: dict[str, list[int]],
                  layouts: Layouts) -> None:
     """A whole tensor is saved once (its lowest holder's copy): refuse to save when
     another holder's copy differs (its sums, where the layouts carry them), naming them."""
@@ -417,11 +416,12 @@ def _same_copies(kind: str, whole: dict[str, TensorEntry], holders: dict[str, li
                                       if len(differ) > 1 else f"rank {differ[0]} differs")
                        + f" from rank {ranks[0]}")
     if bad:
-        what = ("parameter" if kind == "params" else "optimizer state entry") if len(
-            bad) == 1 else ("parameters" if kind == "params" else "optimizer state entries")
+        one = len(bad) == 1
+        what = {"params": ("parameters", "parameter"),
+                "optimizer": ("optimizer state entries", "optimizer state entry")}[kind][one]
         listed = "\n  - ".join(bad)
         raise CheckpointError(
-            f"{len(bad)} replicated {what} {'differs' if len(bad) == 1 else 'differ'} across "
+            f"{len(bad)} replicated {what} {'differs' if one else 'differ'} across "
             "ranks, and a checkpoint keeps one copy of each (the lowest rank's): the others' "
             "would be lost. Make the copies equal first (average the gradients with "
             "nn.average_gradients, or load the same weights on every rank). A layer sliced "

@@ -253,10 +253,10 @@ def failure_from(rank: int, err: BaseException) -> RankFailure:
 #: how IPython begins a frame of a traceback: ``File /path/to/x.py:157, in fn(...)``
 _FRAME = re.compile(r"File (?:.+\.py|<[^>]+>):\d+(?:, in .*)?$")
 #: the frames that are not the user's: mlx_nbdist's engine wrappers, ipyparallel's
-#: apply (``do_apply``) and the one-line code string it runs
-_INTERNAL = re.compile(r"File (?:.*/mlx_nbdist/engine/[^/]+\.py"
-                       r"|.*/ipyparallel/engine/kernel\.py|<string>):\d+(?:, in .*)?$")
-_APPLY_LINE = re.compile(r"File <string>:1(?:, in .*)?$")
+#: apply (``do_apply``) and the one-line code string it runs (``<string>`` at line 1
+#: only: a user's ``exec`` of longer code is theirs)
+_INTERNAL = re.compile(r"File (?:.*/mlx_nbdist/engine/[^/]+\.py:\d+"
+                       r"|.*/ipyparallel/engine/kernel\.py:\d+|<string>:1)(?:, in .*)?$")
 
 
 def _trim_internal(entries: list[str]) -> list[str]:
@@ -273,19 +273,11 @@ def _trim_internal(entries: list[str]) -> list[str]:
                 blocks.append([line])
             else:
                 blocks[-1].append(line)
-    keep = [b for b in blocks if b and not _internal(strip_ansi(b[0]))]
+    keep = [b for b in blocks if b and not _INTERNAL.match(strip_ansi(b[0]))]
     out: list[str] = []
     for b in keep:
         out += [*b, ""]
     return out[:-1] if out else [line for e in entries for line in e.splitlines()]
-
-
-def _internal(first: str) -> bool:
-    """Whether a block beginning with line ``first`` is a frame of ours or of the
-    apply that ran it (a ``<string>`` frame only at line 1: a user's ``exec`` runs on)."""
-    match = _INTERNAL.match(first)
-    return bool(match) and (not first.startswith("File <string>") or bool(
-        _APPLY_LINE.match(first)))
 
 
 def raise_for(result: CellResult, outcome: Outcome, timeout: float | None, notes: str = "") -> None:

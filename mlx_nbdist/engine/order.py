@@ -232,14 +232,19 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     if not isinstance(x, mx.array):
         return None
     ds, tag = _tag(op, index, base, n, x.dtype, len(shape) if lay.row else 1)
-    stream = kwargs.get("stream")
-    if stream is None:
-        tagged = _tagged(x, tag, lay.row)
-    else:  # on the collective's stream, which may be another thread's (MLX's are per thread)
-        with mx.stream(stream):
-            tagged = _tagged(x, tag, lay.row)
+    tagged = on_stream(kwargs.get("stream"), _tagged, x, tag, lay.row)
     args = (tagged, peer) if op == "send" else (tagged,)
     return (fns[op], args, rest, lay.split), ds
+
+
+def on_stream(stream: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with its nodes on a collective's ``stream=`` (``None``: the
+    default), which may be another thread's (MLX keeps streams per thread): the tag's
+    nodes go where the collective goes."""
+    if stream is None:
+        return fn(*args)
+    with mx.stream(stream):
+        return fn(*args)
 
 
 def _tagged(x: Any, tag: Any, row: bool) -> Any:

@@ -483,12 +483,7 @@ class Tracker:
             out = run(*a, **kw) if recorder is None else recorder.timed(rec, run, a, kw, world)
             tag = None
             if found:
-                stream = kwargs.get("stream")
-                if stream is None:
-                    out, full = split(out)
-                else:  # on the collective's stream, as its tag was (see order.call)
-                    with mx.stream(stream):
-                        out, full = split(out)
+                out, full = order.on_stream(kwargs.get("stream"), split, out)
                 if full is not None and not tracker._replaying and not traced:
                     tag = order.Tag(rec, full, found[1], base, tracker.size)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
