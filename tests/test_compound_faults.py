@@ -195,6 +195,23 @@ def test_check_collectives_compares_every_dimension_and_dtype(session2: Session)
     assert_works(session2)
 
 
+def test_check_collectives_with_a_value_read_between_collectives_says_so(
+        session2: Session) -> None:
+    """A reviewer's case: rank 0 reads ``a`` before ``b`` is issued, so its ``a`` runs
+    with rank 1's check of ``b``. The check took rank 0's tagged data for a signature
+    and every rank failed with a bare MemoryError (a shape of 10**18 dimensions)."""
+    code = ("a = mx.distributed.all_sum(mx.ones(4) * (rank + 1), group=world)\n"
+            "if rank == 0:\n    print('peek', a.tolist())\n"
+            "b = mx.distributed.all_sum(mx.ones(4) * 10 * (rank + 1), group=world)\n"
+            "mx.eval(a, b)")
+    with pytest.raises(CellError) as info:
+        session2.run(code, check_collectives=True, timeout=60)
+    names = {f.ename for f in info.value.failures}
+    assert "MemoryError" not in names and "CollectiveError" in names, names
+    assert "ran their collectives in different orders" in str(info.value)
+    _usable_or_broken(session2)
+
+
 def test_check_collectives_with_a_rank_that_raises_is_drained_fast(fresh2: Session) -> None:
     # item 8: the signature all_gather is tracked, so the waiting rank is released
     code = "if rank == 1:\n    raise RuntimeError('fails')\nmx.eval(mx.distributed.all_sum(mx.ones(5), group=world))"

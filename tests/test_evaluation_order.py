@@ -348,6 +348,30 @@ def test_bool_messages_are_counted_in_bytes_and_received(session2: Session) -> N
     assert r.stdout(1).strip() == "[True, False, True]", r.stdout(1)
 
 
+def test_a_message_received_as_another_dtype_of_the_same_bytes_is_read_right(
+        session2: Session) -> None:
+    """MLX lets a receiver name the sender's bytes with another dtype. The tag was as long
+    as each side's dtype made it: float32 sent, float16 received left 4 bytes in the
+    ring's stream, so the next messages read stale bytes and the cells passed (the
+    other way round, the receiver waited for bytes never sent)."""
+    cells = [("mx.array([1.0, 2.0, 3.0, 4.0])", "(8,), mx.float16"),
+             ("mx.array([True, False, True, True, False, False, True, False])",
+              "(8,), mx.uint8"),
+             ("mx.array([5.0, 6.0, 7.0, 0.0])", "(4,), mx.float32"),
+             ("mx.array([1.0, 2.0, 3.0, 4.0], dtype=mx.float16)", "(2,), mx.float32"),
+             ("mx.array([9, 8], dtype=mx.int32)", "(2,), mx.int32")]
+    for data, received in cells:
+        r = session2.run(
+            f"x = {data}\n"
+            "if rank == 0:\n"
+            "    mx.eval(mx.distributed.send(x, 1, group=world))\n"
+            "else:\n"
+            f"    y = mx.distributed.recv({received}, 0, group=world)\n"
+            "    print(y.tolist() == x.view(y.dtype).tolist(), y.tolist())")
+        assert r.stdout(1).startswith("True "), (data, received, r.stdout(1))
+        assert session2.state == "ready"
+
+
 def test_an_extra_collective_on_one_rank_is_named_as_the_cause_of_the_drain(
         session2: Session) -> None:
     """The user trial's case: rank 1 issues and runs one more all_sum than rank 0. Rank

@@ -72,6 +72,21 @@ def test_mpi_two_ranks_with_mpi4py_and_failure_drain() -> None:
         assert info.value.result.ranks[1].status == DRAINED
         assert s.state == "ready"
         check_collectives(s)
+        # a split of the world's size, its ranks reversed, is not the world: a reviewer's
+        # right message over it failed the cell (counted as to world rank 1 from rank 1)
+        r = s.run(
+            "sub = world.split(0, 1 - rank)\n"
+            "total = mx.distributed.all_sum(mx.array([rank + 1.0]), group=sub)\n"
+            "if sub.rank() == 0:\n"
+            "    mx.eval(mx.distributed.send(mx.array([7.0, 8.0]), 1, group=sub))\n"
+            "    got = None\n"
+            "else:\n"
+            "    got = mx.distributed.recv((2,), mx.float32, 0, group=sub).tolist()\n"
+            "print(rank, sub.rank(), total.item(), got)")
+        assert r.stdout(0).strip().split(maxsplit=3) == ["0", "1", "3.0", "[7.0, 8.0]"], r.stdout(0)
+        assert r.stdout(1).split() == ["1", "0", "3.0", "None"], r.stdout(1)
+        assert s.state == "ready"
+        check_collectives(s)
     finally:
         pids = session_pids(s)
         s.stop()

@@ -18,12 +18,60 @@ from mlx_nbdist.results import CollectiveRecord
     ("all_sum", "int8", 64, 2, 15),
     ("all_max", "bfloat16", 2, 257, 2),
     ("all_gather", "int32", 8, order.SPAN, 1),
-    ("recv", "uint8", 2, 255, 2),  # a message's last digit is the wildcard's
 ])
 def test_every_tag_tells_at_least_a_span_of_positions_apart(
         op: str, dtype: str, size: int, base: int, n: int) -> None:
     assert order.width(op, dtype, size, 16) == (base, n)
     assert base**n >= order.SPAN
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "uint8", "int64",
+                                   "complex64", "bool"])
+@pytest.mark.parametrize("op", ["send", "recv", "recv_like"])
+def test_a_messages_tag_is_the_same_bytes_whatever_its_dtype(op: str, dtype: str) -> None:
+    """A sender and its receiver may name the same bytes with other dtypes (MLX allows
+    ``send`` float32, ``recv`` float16): both must put and read as many bytes."""
+    base, n = order.width(op, dtype, 2, 16)
+    assert (base, n) == (31, order.MESSAGE_TAG_BYTES) and base**n >= order.SPAN
+
+
+def test_a_message_sent_as_one_dtype_and_received_as_another_is_read_right() -> None:
+    import mlx.core as mx
+
+    fns = {"send": lambda x, dst: x, "recv": lambda shape, dtype, src: None}
+    sent, ds = order.call("send", fns, mx.array([1.0, 2.0, 3.0, 4.0]), (4,), "float32", 1,
+                          {}, 40, 31, 8, 2)
+    wire = sent[1][0]
+    assert wire.nbytes == 16 + order.MESSAGE_TAG_BYTES
+    plan, rds = order.call("recv", fns, None, (8,), "float16", 0, {}, 40, 31, 8, 2)
+    assert plan[1][0] == (8 + order.MESSAGE_TAG_BYTES // 2,) and list(rds) == list(ds)
+    got = mx.array(memoryview(wire).cast("B")).view(mx.float16)  # what the receiver holds
+    user, full = plan[3](got)
+    assert user.tolist() == mx.array([1.0, 2.0, 3.0, 4.0]).view(mx.float16).tolist()
+    rec = CollectiveRecord(1, "recv", (8,), "float16", 0, 16, 1, 40, False, 40, "")
+    t = order.Tag(rec, full, rds, 31, 2)
+    assert t.as_expected() and t.problem(t.values(), 1, issued=40) is None
+    # another position's message: caught, whatever dtype it was sent as
+    other, _ = order.call("send", fns, mx.array([1, 2, 3, 4], dtype=mx.int32), (4,), "int32",
+                          1, {}, 41, 31, 8, 2)
+    t.full = plan[3](mx.array(memoryview(other[1][0]).cast("B")).view(mx.float16))[1]
+    assert not t.as_expected()
+    found = t.problem(t.values(), 1, issued=41)
+    assert found is not None and found["with"] == {"0": 41}
+
+
+def test_a_bool_messages_tag_is_zeros_and_not_checked() -> None:
+    import mlx.core as mx
+
+    fns = {"send": lambda x, dst: x}
+    sent, _ = order.call("send", fns, mx.array([True, False, True]), (3,), "bool", 1, {}, 7,
+                         31, 8, 2)
+    wire = sent[1][0]
+    assert wire.nbytes == 3 + order.MESSAGE_TAG_BYTES
+    assert bytes(memoryview(wire).cast("B"))[3:] == bytes(order.MESSAGE_TAG_BYTES)
+    rec = CollectiveRecord(1, "recv", (3,), "uint8", 0, 3, 1, 7, False, 7, "")
+    t = order.Tag(rec, mx.array(memoryview(wire).cast("B")), order.digits(7, 31, 8), 31, 2)
+    assert t.problem(t.values(), 1, issued=7) is None
 
 
 def test_what_is_not_tagged() -> None:
@@ -126,17 +174,23 @@ def test_a_tags_bytes_are_as_expected_exactly_when_its_values_are(op: str, dtype
     they differ: the two must agree, for every value of every digit that can be wrong."""
     import mlx.core as mx
 
+    def output(values: list[int]) -> mx.array:
+        if op != "recv":
+            return mx.array([5, 6, 7, *values], dtype=getattr(mx, dtype))
+        tail = mx.array(bytes(0x40 + v for v in values)).view(getattr(mx, dtype))
+        return mx.concatenate([mx.array([5, 6, 7], dtype=getattr(mx, dtype)), tail])
+
     for size in (2, 3):
         base, n = order.width(op, dtype, size, 16)
         for index in (1, 2, base + 1, order.SPAN):
             rec = CollectiveRecord(1, op, (3,), dtype, None, 12, 1, index, False, index, "")
             t = order.Tag(rec, None, order.digits(index, base, n), base, size)
             want = t.expected()
-            t.full = mx.array([5, 6, 7, *want], dtype=getattr(mx, dtype))
+            t.full = output(want)
             assert t.as_expected() and t.problem(t.values(), 0, issued=index) is None
             for j, v in enumerate(want):
                 wrong = [*want[:j], v - 1 if v else 1, *want[j + 1:]]
-                t.full = mx.array([5, 6, 7, *wrong], dtype=getattr(mx, dtype))
+                t.full = output(wrong)
                 assert not t.as_expected(), (size, index, j)
                 assert t.problem(t.values(), 0, issued=index) is not None
 

@@ -148,6 +148,20 @@ def test_megatron_flow_warnings():
     assert any("output stays split" in w for w in p.warnings)
 
 
+@pytest.mark.parametrize("mid", [nn.LayerNorm(16, affine=False), nn.Softmax(), nn.GLU()])
+def test_a_layer_without_parameters_that_mixes_features_between_a_pair_is_flagged(
+        mid: nn.Module) -> None:
+    """A user trial: megatron on Linear, LayerNorm(affine=False), Linear gave outputs
+    0.39 away from the unsharded model's with no word (layers without parameters were
+    passed over, as if elementwise)."""
+    p = plan(nn.Sequential(nn.Linear(8, 16), mid, nn.Linear(16, 8)), group_size=2)
+    assert any(w.startswith(f"layers.1 ({type(mid).__name__}) sits after all-to-sharded "
+                            "layers.0 and sees only 1/2 of the features") for w in p.warnings)
+    for ok in (nn.ReLU(), nn.GELU(), nn.Dropout(0.1), nn.Identity()):
+        assert not plan(nn.Sequential(nn.Linear(8, 16), ok, nn.Linear(16, 8)),
+                        group_size=2).warnings
+
+
 def test_inplace_plan_is_flagged():
     p = plan(_mlp(), {"layers.0": "inplace-all-to-sharded", "layers.2": "inplace-sharded-to-all"},
              group_size=2)
@@ -165,6 +179,12 @@ def test_fsdp_plan():
     bad = plan(nn.Sequential(nn.Linear(6, 6)), "fsdp", group_size=4)
     assert len(bad.problems) == 2
     assert not plan(_mlp(), "fsdp", group_size=2, segments=2).ok
+    # quantized layers: MLX's fully_shard gathers uint32 weights with the float scales as
+    # floats, and the forward failed deep in quantized_matmul (a reviewer's case)
+    q = _mlp(128, 256, 128)
+    nn.quantize(q, group_size=64, bits=4)
+    assert [p for p in plan(q, "fsdp", group_size=2).problems if p.startswith(
+        "fsdp over quantized layers is not supported") and "layers.0, layers.2" in p]
 
 
 def test_quantized_plan_packed_shapes():

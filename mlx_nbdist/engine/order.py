@@ -12,10 +12,17 @@ cell (``CollectiveRecord.group_index``, the same on every rank for the same
 collective), written as digits small enough for the dtype to hold exactly (:func:`width`):
 ``all_sum`` adds each digit ``d`` and ``d*d`` (their sums are ``size*d`` and
 ``size*d*d`` only when every rank's ``d`` is the same), ``all_max`` / ``all_min`` add
-``d`` and ``base-1-d``, ``all_gather`` and a message add ``d``. When the collective has
-run, the rank reads its tag back (:meth:`Tag.problem`). The user's array is the rest
-of the output, with the input's shape and dtype; the data and the tag are contiguous,
-so the bytes on the wire do not depend on how either side laid them out.
+``d`` and ``base-1-d``, ``all_gather`` adds ``d``. A message's tag is
+:data:`MESSAGE_TAG_BYTES` bytes whatever its dtype, one byte a digit
+(``_MESSAGE_BYTE + d``: a normal number in every float dtype's bytes): its sender and
+receiver may name the same bytes with other dtypes (``send`` float32, ``recv``
+float16), as MLX allows, and must still agree on the bytes on the wire and on what the
+tag says. A bool message's tag is zeros (whether every backend copies a bool's other
+bytes as they are was not seen): it keeps the bytes in step and is not checked. When
+the collective has run, the rank reads its tag back (:meth:`Tag.problem`). The user's
+array is the rest of the output, with the input's shape and dtype; the data and the
+tag are contiguous, so the bytes on the wire do not depend on how either side laid
+them out.
 
 Positions are told apart modulo :data:`SPAN` or more: two collectives that far apart
 look alike. Tagged: collectives over the whole group under
@@ -59,6 +66,14 @@ _EXACT = {
 WILDCARD = 0
 #: how numpy reads each dtype's bytes (bfloat16: see Tag.values)
 _NUMPY = {"bfloat16": "uint16"}
+#: a message's tag, in bytes, whatever its dtype (a multiple of every dtype's size)
+MESSAGE_TAG_BYTES = 8
+#: a message tag's digit ``d`` is the byte ``_MESSAGE_BYTE + d`` (``d`` < 32: with
+#: these high bits every float dtype reads it as a normal number, never a NaN or a
+#: subnormal a device could flush)
+_MESSAGE_BYTE = 0x40
+#: a message tag's digits are 0 to ``_MESSAGE_BASE - 1``; WILDCARD's are ``_MESSAGE_BASE``
+_MESSAGE_BASE = 31
 _SUMS = ("all_sum",)
 _PAIRED = ("all_sum", "all_max", "all_min")  # two values a digit
 _OPS = (*_PAIRED, "all_gather", "send", "recv", "recv_like")
@@ -82,12 +97,11 @@ def _width(op: str, dtype: str, size: int) -> tuple[int, int]:
     # asked on every collective: a decode step issues the same few again and again
     if op not in _OPS or size < 2:
         return 0, 0
+    if op in P2P:  # bytes, the same for every dtype (see the module's text)
+        return _MESSAGE_BASE, MESSAGE_TAG_BYTES
     exact = _EXACT.get(dtype, 0)
-    # digits 0..base-1: a sum holds size * d * d, the others d and base - 1 - d; a
-    # message's digit base - 1 is WILDCARD's (its positions count in base - 1)
+    # digits 0..base-1: a sum holds size * d * d, the others d and base - 1 - d
     base = min(SPAN, (math.isqrt(exact // size) if op in _SUMS else exact) + 1)
-    if op in P2P:
-        base -= 1
     if base < 2:
         return 0, 0
     n = 1
@@ -122,7 +136,9 @@ def _expected(op: str, ds: tuple[int, ...], base: int, size: int) -> tuple[int, 
 @functools.lru_cache(maxsize=4096)
 def _expected_bytes(op: str, ds: tuple[int, ...], base: int, size: int, name: str) -> bytes:
     """The bytes of :func:`_expected`'s values as dtype ``name`` holds them (exactly:
-    :func:`width` keeps them small enough)."""
+    :func:`width` keeps them small enough); a message's, whatever its dtype."""
+    if op in P2P:
+        return _message_bytes(ds)
     exact = np.array(_expected(op, ds, base, size), dtype=np.float32 if name == "bfloat16"
                      else _NUMPY.get(name, name))
     if name == "bfloat16":  # a float32's upper half
@@ -130,8 +146,14 @@ def _expected_bytes(op: str, ds: tuple[int, ...], base: int, size: int, name: st
     return exact.tobytes()
 
 
-def _length(op: str, n: int) -> int:
-    """How many values :func:`_values` makes of ``n`` digits."""
+def _message_bytes(ds: Sequence[int]) -> bytes:
+    return bytes(_MESSAGE_BYTE + d for d in ds)
+
+
+def _length(op: str, n: int, dtype: str) -> int:
+    """How many values of ``dtype`` a tag of ``n`` digits takes."""
+    if op in P2P:
+        return MESSAGE_TAG_BYTES // dtypes.mx_dtype(dtype).size
     return 2 * n if op in _PAIRED else n
 
 
@@ -156,9 +178,13 @@ class Tag:
     size: int
 
     def values(self) -> list[float]:
-        """The tag's values in :attr:`full` (evaluated: waits for it)."""
-        t = _length(self.rec.op, len(self.digits))
+        """The tag's values in :attr:`full` (evaluated: waits for it); a message's:
+        its digits (a bool sender's zeros read ``-_MESSAGE_BYTE`` each)."""
+        if self.rec.op in P2P:
+            tail = memoryview(self.full).cast("B")[-MESSAGE_TAG_BYTES:]
+            return [float(b - _MESSAGE_BYTE) for b in tail]
         name = dtypes.dtype_name(self.full.dtype)
+        t = _length(self.rec.op, len(self.digits), name)
         raw = np.frombuffer(memoryview(self.full).cast("B"), dtype=_NUMPY.get(name, name))
         tail = raw.reshape(self.size, -1)[:, -t:] if self.rec.op == "all_gather" else raw[-t:]
         if name == "bfloat16":  # numpy has none: its bits are a float32's upper half
@@ -188,8 +214,9 @@ class Tag:
         expected = self.expected()
         if got == expected or [float(g) for g in got] == [float(e) for e in expected]:
             return None
-        if self.rec.op in P2P and got == [self.base] * len(expected):
-            return None  # sent from a traced function: any position (see digits)
+        if self.rec.op in P2P and got in ([self.base] * len(expected),
+                                          [-_MESSAGE_BYTE] * len(expected)):
+            return None  # sent from a traced function: any position (see digits); or bool
         op, rec, n = self.rec.op, self.rec, len(self.digits)
         partners: dict[str, int | None] = {}
         if op == "all_gather":
@@ -223,7 +250,7 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
     the data, an ``mx.array``; none for a receive). ``None``: run it as it is."""
     rest = kwargs if _READ.isdisjoint(kwargs) else {
         key: v for key, v in kwargs.items() if key not in _READ}
-    lay = _layout(op, shape, _length(op, n), size)
+    lay = _layout(op, shape, _length(op, n, dtype), size)
     if op in ("recv", "recv_like"):  # the sender's tag comes after the user's values
         if "recv" not in fns:
             return None
@@ -258,6 +285,12 @@ def _tag(op: str, index: int, base: int, n: int, dtype: Any, ndim: int
     a cell that runs again, a decode's next generation, issues the same positions;
     an evaluated constant, so any thread and stream may read it)."""
     ds = tuple(digits(index, base, n))
+    if op in P2P:  # its bytes (see the module's text), as the data's dtype names them
+        raw = bytes(len(ds)) if dtype == mx.bool_ else _message_bytes(ds)
+        tag = mx.array(np.frombuffer(raw, dtype=np.uint8)).view(dtype)
+        tag = tag.reshape((1,) * (ndim - 1) + (tag.size,))
+        mx.eval(tag)
+        return ds, tag
     values: Any = _values(op, list(ds), base)
     for _ in range(ndim - 1):
         values = [values]

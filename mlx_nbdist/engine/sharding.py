@@ -25,7 +25,9 @@ Two public functions run inside a rank:
     shard correctly (a norm over all heads' features) is refused, naming it. On a
     model with no transformer block, consecutive ``Linear`` layers in definition order
     alternate all-to-sharded / sharded-to-all (right for a chain such as
-    ``nn.Sequential``; elsewhere the plan says what it assumed).
+    ``nn.Sequential`` whose layers inside a pair act on each value alone, as ReLU
+    does: a norm or a softmax there is flagged; elsewhere the plan says what it
+    assumed).
 ``"pipeline"``
     the model's own ``pipeline(group)`` (mlx-lm's ``model.model.pipeline``): each
     rank keeps the layers it runs, rank 0 the last ones; the plan lists the stages.
@@ -1155,6 +1157,13 @@ def _plan_fsdp(
     if tp:
         result.problems.append(
             f"fsdp over tensor-parallel or shard_inplace layers is not supported: {', '.join(tp)}")
+    packed = [n.path or "(root)" for n in nodes
+              if isinstance(n.module, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if packed:
+        result.problems.append(
+            "fsdp over quantized layers is not supported (MLX's fully_shard gathers their "
+            f"packed weights as floats, and their forward then fails): {', '.join(packed)}; "
+            "quantize after training, or shard with megatron")
     for node in nodes:
         for path, arr in _direct_params(node, by_path):
             full = tuple(arr.shape)
@@ -1205,6 +1214,12 @@ def _flag_flow(
     last_full = "the model input"
     for node in nodes:
         if not _direct_params(node, by_path):
+            if sharded_by is not None and _across_features(node.module):
+                result.warnings.append(
+                    f"{node.path} ({type(node.module).__name__}) sits after all-to-sharded "
+                    f"{sharded_by} and sees only 1/{result.group_size} of the features on "
+                    "each rank: unless it acts on each value alone, as ReLU or GELU do, "
+                    "the outputs will not equal the unsharded model's")
             continue
         output = outputs.get(node.path)
         where = node.path or "(root)"
@@ -1232,6 +1247,20 @@ def _flag_flow(
         result.warnings.append(
             f"the last sharded layer {sharded_by} is all-to-sharded: the model output "
             "stays split across ranks (each rank holds a slice of the features)")
+
+
+#: parameter-free layers that act on each value alone: a sharded activation may pass
+#: them (any other leaf layer between a sharded pair mixes the features it cannot see)
+_ELEMENTWISE = tuple(getattr(nn, name) for name in (
+    "CELU", "ELU", "GELU", "SELU", "HardShrink", "Hardswish", "HardTanh", "LeakyReLU",
+    "LogSigmoid", "Mish", "ReLU", "ReLU2", "ReLU6", "Sigmoid", "SiLU", "Softplus",
+    "Softshrink", "Softsign", "Step", "Tanh", "Dropout", "Identity") if hasattr(nn, name))
+
+
+def _across_features(module: nn.Module) -> bool:
+    """Whether a layer without parameters of its own mixes the features (``Softmax``,
+    ``LayerNorm(affine=False)``, a user's layer): a leaf that is not elementwise."""
+    return not module.children() and not isinstance(module, _ELEMENTWISE)
 
 
 def _block_layouts(blocks: list[transformer.Block], layers: dict[str, nn.Module],

@@ -102,6 +102,8 @@ class Tracker:
         self.active_ranks: list[int] | None = None
         self.check = False
         self._orig: dict[str, Any] = {}
+        #: the groups ``Group.split`` made, by id (see :meth:`_wrap_split`)
+        self._subgroups: dict[int, Any] = {}
         self._lock = threading.Lock()
         #: held by the one compaction in flight (it looks at a snapshot of the held
         #: outside ``_lock``) and by settle's taking of the held: a cell's threads may
@@ -159,6 +161,29 @@ class Tracker:
             setattr(mx.distributed, op, self._wrap(op, fn))
         for name in TRANSFORMS:
             setattr(mx, name, self._wrap_transform(getattr(mx, name)))
+        group = getattr(mx.distributed, "Group", None)
+        if group is not None and hasattr(group, "split"):
+            group.split = self._wrap_split(group.split)
+
+    def _wrap_split(self, split: Any) -> Any:
+        """``Group.split`` whose groups are known as subgroups (kept, so that their
+        ``id`` stays theirs): a split of the world's size, its ranks in another order
+        (mpi, nccl), is not the world, whose ranks the ledgers, tags and drains count
+        in. Every rank calls split, so every rank knows a group alike."""
+        subgroups = self._subgroups
+
+        def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
+            sub = split(group, *args, **kwargs)
+            subgroups[id(sub)] = sub
+            return sub
+
+        wrapped.__name__ = "split"
+        wrapped.__doc__ = split.__doc__
+        return wrapped
+
+    def is_world(self, group: Any) -> bool:
+        """Whether ``group`` is the whole world (not a subgroup that ``split`` made)."""
+        return group.size() == self.size and id(group) not in self._subgroups
 
     def tracing(self) -> bool:
         """Whether this thread is inside a function that ``mx.compile`` or ``mx.vmap``
@@ -468,7 +493,7 @@ class Tracker:
                 if problem:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
-            world = size == tracker.size
+            world = size == tracker.size and id(group) not in tracker._subgroups
             traced = bool(getattr(tracker._transforms, "calls", None))  # tracing(), inline
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             # tagged with its position, to prove the ranks ran it together (see .order)
@@ -520,7 +545,7 @@ class Tracker:
         """All-gather one int64 row for ``--check-collectives``. It is recorded like a
         user collective, so a rank blocked in it shows where and can be drained."""
         shape = (1, len(row))
-        world = group.size() == self.size
+        world = self.is_world(group)
         self._record("all_gather", shape, "int64", None, 8 * len(row), world=world, check=True)
         out = self._orig["all_gather"](mx.array(row, dtype=mx.int64)[None], group=group)
         mx.eval(out)
@@ -539,6 +564,15 @@ class Tracker:
             return None
         missing = [i for i, r in enumerate(rows) if r[0] == 0]
         where = f"collective mismatch at #{self.seq + 1} ({op} on rank {self.rank})"
+        garbled = [i for i, r in enumerate(rows) if r[0] != 0 and not _is_signature(r)]
+        if garbled:  # the check ran together with another collective: its rows are data
+            return (
+                f"{where}: the check of this collective read rank(s) {garbled}'s row as "
+                "something that is not a collective's description: on some rank it ran "
+                "together with another collective of this cell, so the ranks ran their "
+                "collectives in different orders (e.g. a value read on one rank between two "
+                "collectives). Evaluate collectives in the same order on every rank."
+            )
         if missing:  # a peer released by a drain: it never issued this collective
             return (
                 f"{where}: rank(s) {missing} did not issue it (they failed or skipped it). "
@@ -646,6 +680,8 @@ def _describe(op: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], str,
 
 
 _NAME_LEN = 16
+#: the most dimensions a signature is believed to describe (more: not a signature)
+_MAX_NDIM = 64
 
 
 def _code(text: str) -> int:
@@ -656,6 +692,18 @@ def _code(text: str) -> int:
 def _signature(op: str, shape: tuple[int, ...], dtype: str) -> list[int]:
     """op, dtype, ndim and the whole shape (as a hash): equal rows mean equal calls."""
     return [_OP_CODES[op], _code(dtype), len(shape), _code(repr(tuple(int(d) for d in shape)))]
+
+
+@functools.cache
+def _dtype_codes() -> frozenset[int]:
+    return frozenset(_code(dtypes.dtype_name(v)) for v in vars(mx).values()
+                     if isinstance(v, mx.Dtype))
+
+
+def _is_signature(row: list[int]) -> bool:
+    """Whether ``row`` can be a :func:`_signature` (not another collective's data)."""
+    return (len(row) == 4 and 0 < row[0] <= len(OPS) and row[1] in _dtype_codes()
+            and 0 <= row[2] <= _MAX_NDIM)
 
 
 def _unsignature(row: list[int], full: list[int], width: int) -> str:
