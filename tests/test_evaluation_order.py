@@ -348,6 +348,24 @@ def test_bool_messages_are_counted_in_bytes_and_received(session2: Session) -> N
     assert r.stdout(1).strip() == "[True, False, True]", r.stdout(1)
 
 
+def test_a_message_to_a_rank_that_is_not_a_ring_neighbour_is_refused_when_issued(
+        session2: Session) -> None:
+    """MLX's ring refuses it only when the message is evaluated; a reviewer caught that
+    error and the cell then failed blaming the ranks' evaluation order (the tag was read
+    from a receive that never ran)."""
+    r = session2.run(
+        "try:\n"
+        "    y = mx.distributed.recv((2,), mx.float32, rank, group=world)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n")
+    for rank in (0, 1):
+        assert r.stdout(rank).startswith(
+            f"[ring] Recv only supported from direct neighbors: rank {rank} receives from "
+            f"rank {rank}, and its neighbours in the ring of 2 are rank(s) {1 - rank}."), (
+            r.stdout(rank))
+    assert session2.state == "ready"
+
+
 def test_a_message_received_as_another_dtype_of_the_same_bytes_is_read_right(
         session2: Session) -> None:
     """MLX lets a receiver name the sender's bytes with another dtype. The tag was as long

@@ -488,6 +488,8 @@ class Tracker:
             if size > 1 and not tracker._replaying:
                 problem = None if tracker.active_ranks is None else tracker._subset_problem(
                     op, group)
+                if problem is None and op in P2P and tracker.backend == "ring":
+                    problem = _neighbour_problem(op, peer, group)
                 if problem is None and tracker.check and op not in P2P:
                     problem = tracker._signature_problem(op, shape, dtype, group)
                 if problem:
@@ -692,6 +694,23 @@ def _code(text: str) -> int:
 def _signature(op: str, shape: tuple[int, ...], dtype: str) -> list[int]:
     """op, dtype, ndim and the whole shape (as a hash): equal rows mean equal calls."""
     return [_OP_CODES[op], _code(dtype), len(shape), _code(repr(tuple(int(d) for d in shape)))]
+
+
+def _neighbour_problem(op: str, peer: int | None, group: Any) -> str | None:
+    """MLX's ring sends messages between neighbours only, and says so only when the
+    message is evaluated (the receive's output then holds no message): said when it is
+    issued."""
+    if peer is None:
+        return None
+    size, me = group.size(), group.rank()
+    near = sorted({(me - 1) % size, (me + 1) % size})
+    if int(peer) in near:
+        return None
+    words = ("Send only supported to", "sends to") if op == "send" else (
+        "Recv only supported from", "receives from")
+    return (f"[ring] {words[0]} direct neighbors: rank {me} {words[1]} rank {peer}, and its "
+            f"neighbours in the ring of {size} are rank(s) {', '.join(map(str, near))}. "
+            "Pass the message along the ring, or start with --backend mpi")
 
 
 @functools.cache
