@@ -189,6 +189,26 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused(s2):
     assert s2.state == "ready"
 
 
+@pytest.mark.parametrize(("prompt", "max_tokens", "said"), [
+    # the user trial's case: both ranks printed the same tokens, from neither prompt
+    ("prompt if rank == 0 else [9] * len(prompt)", "4", ", other token ids"),
+    ("prompt if rank == 0 else prompt + [1]", "4", ""),
+    ("prompt", "4 + rank", ""),
+])
+def test_ranks_given_other_prompts_are_refused_before_the_model_runs(
+        s2, prompt: str, max_tokens: str, said: str):
+    for sharding in ("megatron", "pipeline"):
+        with pytest.raises(CellError) as info:
+            s2.run(f'gen_o = mlx_nbdist.shard(build_lm("qwen2", num_hidden_layers=4), '
+                   f'"{sharding}")\n'
+                   f"mlx_nbdist.generate(gen_o, {prompt}, max_tokens={max_tokens})")
+        text = str(info.value)
+        assert "generate: ranks [1] were given another prompt or max_tokens than rank 0" in text
+        assert said in text and "rank 0: " in text and "rank 1: " in text, text
+        assert {f.ename for f in info.value.failures} == {"ValueError"}, text
+        assert s2.state == "ready"
+
+
 def test_four_bit_model_sharded_by_its_own_shard(s2, lm):
     s2.run('q4_full = build_lm("llama")\nnn.quantize(q4_full, group_size=32, bits=4)\n'
            'q4 = build_lm("llama")\nnn.quantize(q4, group_size=32, bits=4)\n'

@@ -8,6 +8,7 @@ through :mod:`mlx_nbdist.engine._mlx_lm`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers import distributed as mxd
 from mlx.utils import tree_flatten
 
@@ -74,8 +76,10 @@ def generate(
     Greedy unless ``sampler`` is given (``mlx_lm.sample_utils.make_sampler``). Every
     rank runs the model; the tokens are printed by the rank ``echo`` names (rank 0;
     ``True``: every rank) as each one is produced, then one line with prefill and
-    decode tokens per second. At the end the ranks' tokens are compared (one small
-    ``all_gather``): ranks that disagree raise instead of returning different text.
+    decode tokens per second. Every rank must pass the same prompt and ``max_tokens``:
+    they are compared before the model runs (one small ``all_gather``), and at the end
+    the ranks' tokens are (another): ranks that disagree raise instead of returning
+    different text.
     The generation stream is synchronised before returning, so a forward started
     right after reads fresh data (mlx-lm's ``generate_step`` leaves work queued on it).
 
@@ -95,6 +99,7 @@ def generate(
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     inner = unwrap(model)
     _in_vocabulary(tokens_in, getattr(getattr(inner, "args", None), "vocab_size", None))
+    _same_request(tokens_in, max_tokens, group)
     cache = lm.make_prompt_cache(inner)
     show = echo is True or (echo is not False and group.rank() == int(echo))
     out: list[int] = []
@@ -157,6 +162,30 @@ def _echo(token: int, tokenizer: Any) -> None:
     sys.stdout.flush()
 
 
+def _same_request(tokens: mx.array, max_tokens: int, group: mx.distributed.Group) -> None:
+    """Raise on every rank, before the model runs, when the ranks were given other
+    prompts or ``max_tokens``: their forwards would pair each other's collectives
+    (one generation runs across all the ranks), giving every rank the same tokens from
+    no rank's prompt, or a group left out of step."""
+    if group.size() == 1:
+        return
+    digest = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8)
+    halves = np.frombuffer(digest.digest(), dtype=np.int32).tolist()
+    mine = mx.array([int(tokens.size), max_tokens, *halves], dtype=mx.int32)[None]
+    with own_collectives():  # a check of ours: not in the rank's totals
+        table = mx.distributed.all_gather(mine, group=group).tolist()
+    differ = [r for r, row in enumerate(table) if row != table[0]]
+    if differ:
+        said = "; ".join(
+            f"rank {r}: {row[0]} prompt tokens, max_tokens {row[1]}"
+            + (", other token ids" if r in differ and row[:2] == table[0][:2] else "")
+            for r, row in enumerate(table))
+        raise ValueError(
+            f"generate: ranks {differ} were given another prompt or max_tokens than rank 0 "
+            f"({said}): the ranks run one generation together, so every rank must pass the "
+            "same prompt and max_tokens")
+
+
 def _same_on_every_rank(tokens: list[int], max_tokens: int, group: mx.distributed.Group
                         ) -> None:
     """Raise on every rank when any rank generated other tokens than rank 0."""
@@ -172,8 +201,9 @@ def _same_on_every_rank(tokens: list[int], max_tokens: int, group: mx.distribute
     if differ:
         raise RuntimeError(
             f"generate: ranks {differ} produced other tokens than rank 0 ({table[0][1:]} vs "
-            f"{[table[r][1:] for r in differ]}): the ranks' models differ (sharded from "
-            "different weights?), so no rank's text can be trusted")
+            f"{[table[r][1:] for r in differ]}): the ranks' models or samplers differ "
+            "(sharded from different weights? a sampler that draws at random needs the same "
+            "mx.random.seed on every rank), so no rank's text can be trusted")
 
 
 def load(
