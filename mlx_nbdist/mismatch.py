@@ -130,9 +130,10 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
         who = _ranks(left)
         return (f"{text}. {who[0].upper()}{who[1:]} had not evaluated them when {cells} ended (an "
                 "error, an interrupt, or outputs left unevaluated), so mlx_nbdist ran them "
-                "then, in the order they were issued, while the other ranks had run them in "
-                "the order their mx.eval chose (mx.eval(a, b) may run b first): the values "
-                "those ranks computed from them are wrong.")
+                "then, in the order they were issued, while the other ranks ran other "
+                "collectives: a later one they had reached (a rank interrupted or failing "
+                "in a loop), or the same ones in the order their mx.eval chose (mx.eval(a, b) "
+                "may run b first). The values those ranks computed from them are wrong.")
     return f"{text}. {ORDER_CONSEQUENCE}."
 
 

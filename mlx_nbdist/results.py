@@ -214,6 +214,12 @@ class CellResult:
     def stdout(self, rank: int) -> str:
         return self.ranks[rank].stdout
 
+    def __repr__(self) -> str:
+        # one line: a cell's last expression shows it (every rank's output is in .ranks)
+        statuses = ", ".join(f"{r}: {o.status}" for r, o in sorted(self.ranks.items()))
+        valid = "" if self.valid else ", values invalid"
+        return f"CellResult(cell {self.cell}, ranks {{{statuses}}}, {self.elapsed:.2f} s{valid})"
+
 
 @dataclass
 class RankInfo:

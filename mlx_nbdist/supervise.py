@@ -27,6 +27,7 @@ the session is then marked broken and needs ``restart``.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -454,19 +455,26 @@ class Supervisor:
                 self._end(blocked, "blocked replaying a collective for a stuck peer")
                 return False
             t_end = time.monotonic() + self.policy.drain_timeout
+            replayed_to = max(issued.values())
             while self._running() and time.monotonic() < t_end:
                 self._wait(self._running(), 0.1)
+                if any(self._cell_count(r) > replayed_to for r in self._running()):
+                    break  # released, it ran on into a collective no helper issued
             if not self._running():
                 released = True
                 break
             stuck = self._running()
             if max(self._cell_count(r) for r in stuck) <= before:
                 break  # no progress: it waits in something the records do not show
+            # it ran on (a loop: a generation issues its collectives token by token):
+            # stop it at its next line once the next round releases it, or it would
+            # issue more for as long as it runs
+            self.s.kill_ranks(stuck, signal.SIGINT)
         if not released:
             return False
         self.out.valid = False
         self.out.needs_alignment = True
-        done_lines = sorted({line for lines in replayed.values() for line in lines})
+        done = _runs({line for lines in replayed.values() for line in lines})
         stuck = sorted(released_ranks)
         for r in stuck:
             self.out.failures.setdefault(
@@ -480,7 +488,7 @@ class Supervisor:
                 ),
             )
         self.out.summary = (
-            f"Drained: ranks {stuck} were waiting in {', '.join(done_lines) or 'a collective'}; "
+            f"Drained: ranks {stuck} were waiting in {done or 'a collective'}; "
             f"ranks {sorted(replayed)} issued it with zeros so they could return. "
             "The values computed in this cell are invalid."
         )
@@ -527,6 +535,25 @@ class Supervisor:
             note = f"ranks {stopped} stopped on SIGINT"
             self.out.summary = (self.out.summary + "\n" if self.out.summary else "") + note
             self.out.valid = False
+
+
+def _runs(lines: set[str]) -> str:
+    """Replayed collectives in order, runs of alike ones in a line: ``#20 all_sum
+    shape=(1, 128)`` ... ``#35 ...`` -> ``#20-#35 all_sum shape=(1, 128) ... (16)``
+    (a generation's rank waits in one a token)."""
+    parsed = []
+    for line in lines:
+        m = re.fullmatch(r"#(\d+) (.*)", line)
+        parsed.append((int(m.group(1)), m.group(2)) if m else (-1, line))
+    out: list[list[Any]] = []
+    for n, rest in sorted(parsed):
+        if out and n >= 0 and out[-1][2] == rest and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n, rest])
+    return ", ".join(
+        rest if a < 0 else f"#{a} {rest}" if a == b else f"#{a}-#{b} {rest} ({b - a + 1})"
+        for a, b, rest in out)
 
 
 def failed(fut: Future) -> bool:

@@ -171,6 +171,9 @@ class CommStats:
     rows: list[OpStats] = field(default_factory=list)
     #: each cell's name as the user saw it (``In [7]``), where it has one
     names: dict[int, str] = field(default_factory=dict)
+    #: per cell, the ranks that ran it but sent no record (their cell failed or was
+    #: ended before it finished): they have no lane
+    absent: dict[int, list[int]] = field(default_factory=dict)
     #: collectives issued inside ``mx.compile`` / ``mx.vmap`` (once for the group, as
     #: the rows count group collectives): counted nowhere else
     untimed: int = 0
@@ -262,6 +265,9 @@ class CellTimeline:
     dropped: int = 0
     #: each cell's name as the user saw it (``In [7]``), where it has one
     names: dict[int, str] = field(default_factory=dict)
+    #: per cell, the ranks that ran it but sent no record (their cell failed or was
+    #: ended before it finished): they have no lane
+    absent: dict[int, list[int]] = field(default_factory=dict)
 
     def label(self, cell: int) -> str:
         """How the user knows ``cell``: its name (``In [7]``), else ``cell N``."""
@@ -319,6 +325,10 @@ class CellTimeline:
             )
         if self.clock_uncertainty > WAIT_NOISE:
             parts.append(f"clocks aligned to ±{self.clock_uncertainty * 1e3:.2g} ms")
+        for cell, ranks in self.absent.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+            parts.append(f"no timeline from {who} in {self.label(cell)}: its cell did not "
+                         "finish (it failed, or was ended or interrupted)")
         return "; ".join(parts)
 
     __str__ = summary
@@ -371,9 +381,13 @@ def build(
     untimed = dropped = 0
     numbers: list[int] = []
     names: dict[int, str] = {}
+    absent: dict[int, list[int]] = {}
     for cell in cells:
         number = int(next(iter(cell.values())).get("cell", 0))
         numbers.append(number)
+        missing = sorted({int(r) for p in cell.values() for r in p.get("absent", ())})
+        if missing:
+            absent[number] = missing
         name = next((str(p["name"]) for p in cell.values() if p.get("name")), "")
         if name:
             names[number] = name
@@ -423,6 +437,7 @@ def build(
         untimed=untimed,
         dropped=dropped,
         names=names,
+        absent=absent,
     )
     caused = tl.caused()
     if caused and max(caused.values()) > noise:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import gemma, llama, olmo2, qwen2, qwen3
+from mlx_lm.models import gemma, llama, olmo2, qwen2, qwen3, qwen3_moe
 
 _BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -28,6 +28,12 @@ ARCHS = {
                           max_position_embeddings=512)),
     "gemma": (gemma, dict(model_type="gemma", head_dim=32)),
     "olmo2": (olmo2, dict(model_type="olmo2")),
+    # experts that the model's own shard() slices in place (SwitchLinear keeps its class)
+    "qwen3_moe": (qwen3_moe, dict(model_type="qwen3_moe", num_experts=4,
+                                  num_experts_per_tok=2, decoder_sparse_step=1,
+                                  mlp_only_layers=[], moe_intermediate_size=64, head_dim=32,
+                                  tie_word_embeddings=False, max_position_embeddings=512,
+                                  norm_topk_prob=True)),
 }
 
 

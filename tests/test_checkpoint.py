@@ -575,6 +575,40 @@ def test_an_mlx_lm_model_consolidates_to_a_folder_mlx_lm_loads(s2: Any, lm: dict
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_experts_a_models_own_shard_sliced_in_place_are_split_not_replicated(
+        s2: Any, lm: dict[str, Any], tmp_path: Path):
+    """mlx-lm's own shard() slices a MoE's experts in place (SwitchLinear keeps its
+    class). A user trial: they were described as whole on every rank, so `check` said
+    they diverged, `slices` gave half their shape as the full one, and `save` refused
+    the model (its advice, averaging gradients, was wrong too)."""
+    pytest.importorskip("mlx_lm")
+    import mlx_nbdist
+    from mlx_nbdist.client.checkpoint import consolidate, save
+
+    from .lm_models import LM_COMMON
+
+    s2.run(LM_COMMON + '\nmoe = mlx_nbdist.shard(build_lm("qwen3_moe"), "megatron")')
+    full = lm["params_np"](lm["build_lm"]("qwen3_moe"))
+    for name, axis in (("gate_proj", 1), ("down_proj", 2)):
+        path = f"model.layers.0.mlp.switch_mlp.{name}.weight"
+        got = mlx_nbdist.slices(f"moe.{path}", session=s2)
+        assert [(t.rank, t.axis, t.full_shape) for t in got] == [
+            (r, axis, full[path].shape) for r in (0, 1)], got
+        np.testing.assert_array_equal(np.concatenate([t.data for t in got], axis=axis),
+                                      full[path])
+    report = mlx_nbdist.check("moe", session=s2)
+    assert report.ok, report
+    save("moe", tmp_path / "ckpt", session=s2)
+    out = consolidate(tmp_path / "ckpt", tmp_path / "whole")
+    ns: dict[str, Any] = {}
+    exec(LM_COMMON, ns)  # noqa: S102
+    m = ns["build_lm"]("qwen3_moe", seed=9)
+    m.load_weights(str(out / "model.safetensors"))
+    got = ns["params_np"](m)
+    for path, want in full.items():
+        np.testing.assert_array_equal(got[path], want, err_msg=path)
+
+
 def test_fsdp_saved_loads_as_tensor_parallel(s2: Any, tmp_path: Path):
     from mlx_nbdist.client.checkpoint import load, read_index, save
 

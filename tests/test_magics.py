@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -112,6 +114,17 @@ def test_start_cell_status_and_errors(ip, capfd) -> None:
         res, out, err = run(ip, line, capfd)
         assert isinstance(res.error_in_exec, UsageError), (line, out, err)
         assert expected in out + err and "Traceback" not in out + err, (line, out + err)
+
+    # a look from another thread while a cell runs (a subshell, the cell hanging) answers
+    # at once: it waited for the cell's end to write itself into the export's history
+    cell = threading.Thread(target=api.current_session().run,
+                            args=("import time\ntime.sleep(8)",))
+    cell.start()
+    time.sleep(2)  # the cell is running
+    res, out, _ = run(ip, "%mlxdist where", capfd)
+    assert res.success and "time.sleep(8)" in out, out
+    assert cell.is_alive()
+    cell.join(60)
 
     res, out, _ = run(ip, "%mlxdist stop", capfd)
     assert "stopped" in out

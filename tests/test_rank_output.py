@@ -358,3 +358,13 @@ def test_text_written_past_the_wrapper_still_comes_with_its_cell(session2: Sessi
     for _ in range(3):
         r = session2.run(code)
         assert [r.ranks[k].stdout for k in (0, 1)] == ["direct 0\n", "direct 1\n"]
+
+
+def test_a_cell_result_shows_as_one_line() -> None:
+    """A user trial: ``s.run(...)`` as a cell's last expression printed every rank's
+    whole output in a dataclass repr."""
+    from mlx_nbdist.results import CellResult, RankOutput
+
+    r = CellResult(3, {0: RankOutput(0, 1, stdout="x" * 10000),
+                       1: RankOutput(1, 2, status="error")}, 1.234, valid=False)
+    assert repr(r) == "CellResult(cell 3, ranks {0: ok, 1: error}, 1.23 s, values invalid)"

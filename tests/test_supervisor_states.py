@@ -140,6 +140,32 @@ def test_every_rank_a_drain_released_is_marked_drained() -> None:
     assert out.failures[0].cause == DRAINED and out.failures[1].cause == DRAINED
 
 
+def test_a_rank_that_runs_on_after_a_release_is_stopped_at_its_next_line() -> None:
+    """A user trial: a rank raised in a tensor-parallel generate; each release let its
+    peer generate the next token and wait again, so 4 rounds never caught up and the
+    group was ended (14.7 s). The rank that runs on gets SIGINT: released once more,
+    it stops (KeyboardInterrupt at its next line)."""
+    fake = FakeRanks()
+    fake.issue(0, "all_sum")
+    fake.finish(1, ValueError("rank one fails"))
+    rounds = []
+
+    def drain(plan, timeout):
+        rounds.append(plan)
+        if any(sig == signal.SIGINT for _, sig in fake.signals):
+            fake.finish(0, KeyboardInterrupt())
+        else:
+            fake.issue(0, "all_sum")  # the next token's collective: it waits again
+        return {r: [f"#{len(rounds)} all_sum shape=(4,)"] for r in plan}, []
+
+    fake.drain_ranks = drain  # type: ignore[method-assign]
+    out = supervise(fake)
+    assert len(rounds) == 2 and ([0], signal.SIGINT) in fake.signals
+    assert out.failures[0].cause == DRAINED and out.needs_alignment and not out.broken
+    # the collectives it waited in, a run of alike ones said once
+    assert "were waiting in #1-#2 all_sum shape=(4,) (2);" in out.summary, out.summary
+
+
 def test_a_completed_drain_must_still_be_proven_in_step() -> None:
     fake = FakeRanks()
     fake.issue(0, "all_sum")

@@ -192,6 +192,18 @@ def test_the_summary_says_where_the_time_went() -> None:
     assert "waiting, mostly for rank 1" in line and "slowest rank 1" in line
 
 
+def test_a_rank_that_sent_no_record_is_named_not_left_out_silently() -> None:
+    """A user trial: a profiled cell whose rank 0 was ended drew rank 1's lane alone,
+    and nothing said rank 0 was missing."""
+    cell = {1: {**unbalanced_cell(cell=7)[1], "absent": [0]}}
+    tl = build([cell], backend="ring")
+    assert tl.ranks == [1] and tl.absent == {7: [0]}
+    assert tl.summary().endswith(
+        "no timeline from rank 0 in cell 7: its cell did not finish (it failed, or was "
+        "ended or interrupted)"), tl.summary()
+    assert "no timeline" not in build([unbalanced_cell(cell=7)]).summary()
+
+
 def test_several_cells_are_concatenated_with_idle_between() -> None:
     tl = build([unbalanced_cell(3, 0.0), unbalanced_cell(4, 1.0)], backend="ring")
     assert tl.cells == [3, 4]

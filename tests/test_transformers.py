@@ -209,6 +209,29 @@ def test_ranks_given_other_prompts_are_refused_before_the_model_runs(
         assert s2.state == "ready"
 
 
+def test_a_rank_failing_inside_a_generation_is_drained_and_the_session_kept(s2, lm):
+    """A user trial: a sampler raising on rank 1 at the 3rd token of 100. Each release
+    let rank 0 generate its next token and wait again, so the drain never caught up and
+    the group was ended (14.7 s): a restart, the models lost."""
+    s2.run('gen_f = mlx_nbdist.shard(build_lm("llama"), "megatron")\n'
+           "calls = [0]\n"
+           "def failing(lp):\n"
+           "    calls[0] += 1\n"
+           "    if rank == 1 and calls[0] == 3:\n"
+           "        raise RuntimeError('the sampler fails on rank 1')\n"
+           "    return mx.argmax(lp, axis=-1)\n")
+    with pytest.raises(CellError) as info:
+        s2.run("mlx_nbdist.generate(gen_f, prompt, max_tokens=100, sampler=failing)",
+               timeout=120)
+    text = str(info.value)
+    assert "[rank 1] RuntimeError: the sampler fails on rank 1" in text, text
+    assert "Drained" in text and "the session is still usable" in text, text
+    assert s2.state == "ready"
+    want = _greedy(lm, lm["build_lm"]("llama"), lm["prompt"], 4)
+    s2.run("gf_tokens = mlx_nbdist.generate(gen_f, prompt, max_tokens=4, echo=False).tokens")
+    assert set(map(tuple, s2.pull("gf_tokens").values())) == {tuple(want)}
+
+
 def test_four_bit_model_sharded_by_its_own_shard(s2, lm):
     s2.run('q4_full = build_lm("llama")\nnn.quantize(q4_full, group_size=32, bits=4)\n'
            'q4 = build_lm("llama")\nnn.quantize(q4, group_size=32, bits=4)\n'

@@ -293,6 +293,20 @@ class _LayerShard:
     group_size: int
 
 
+@dataclass
+class _Sliced:
+    """Parameters a model's own ``shard`` sliced in place, the layer keeping its class
+    (mlx-lm slices MoE experts so), by name: ``(axis, full shape, group size)``. Kept
+    as an attribute on the layer, as :class:`_LayerShard`; without it they would be
+    described as whole on every rank (a false "diverged", a refused save)."""
+
+    params: dict[str, tuple[int, tuple[int, ...], int]]
+
+
+#: the attribute a layer keeps its :class:`_Sliced` in
+_SLICED_ATTR = "_nbdist_sliced"
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """How one parameter is laid out across the ranks.
@@ -575,6 +589,12 @@ def _spec_for(
     elif tp_mode is not None:
         mode, segments, n = tp_mode, 1, module.group.size()
         full = None
+    elif name in getattr(getattr(module, _SLICED_ATTR, None), "params", {}):
+        axis, full, n = getattr(module, _SLICED_ATTR).params[name]
+        mode = (ShardMode.INPLACE_SHARDED_TO_ALL if axis == len(local) - 1
+                else ShardMode.INPLACE_ALL_TO_SHARDED)
+        return ParamSpec(mode=mode, axis=axis, segments=1, group_size=n, full_shape=full,
+                         kind=_kind(module, name, axis), rank=rank, **common)
     else:
         return ParamSpec(mode=ShardMode.REPLICATED, axis=None, segments=1, group_size=1,
                          full_shape=local, kind=_kind(module, name, None), rank=rank,
@@ -851,6 +871,26 @@ def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _No
                                            sharded=_tensor_parallel)
     layers = {n.path: n.module for n in after}
     result.warnings += _block_layouts(after_blocks, layers, {}, n_ranks)[1]
+
+
+def _remember_sliced(model: nn.Module, the_plan: ShardPlan, classes: dict[str, type],
+                     n_ranks: int) -> None:
+    """Mark what the model's own ``shard`` sliced in place (see :class:`_Sliced`): the
+    plan's rows, dry-run on a copy, say which axis each parameter lost."""
+    rows = {r.path: r for r in the_plan.rows}
+    nodes = _walk(model)
+    by_path = {n.path: n for n in nodes}
+    for node in nodes:
+        if type(node.module) is not classes.get(node.path):
+            continue  # a new layer (MLX's sharded Linear): its class says how it is split
+        sliced = {}
+        for path, arr in _direct_params(node, by_path):
+            row = rows.get(path)
+            if row is not None and row.axis is not None and tuple(arr.shape) != row.full_shape:
+                name = path[len(node.path) + 1:] if node.path else path
+                sliced[name] = (row.axis, tuple(row.full_shape), n_ranks)
+        if sliced:
+            setattr(node.module, _SLICED_ATTR, _Sliced(sliced))
 
 
 def _own_row(path: str, arr: mx.array, node: _Node, new: _Node | None, n_ranks: int
@@ -1355,7 +1395,9 @@ def shard(
     if isinstance(model, mxd.FullyShardedModule):
         return model
     if the_plan.own:
+        classes = {n.path: type(n.module) for n in _walk(model)}
         model.shard(group)
+        _remember_sliced(model, the_plan, classes, n_ranks)
         return model
     mode = None if isinstance(sharding, Mapping) else _mode(sharding)
     if mode is not None and RULES[mode].whole_model:

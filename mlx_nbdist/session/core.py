@@ -974,9 +974,11 @@ class Session:
     def record(self, entry: Entry) -> None:
         """Add a notebook command to the history :meth:`export` writes: one that changed
         the ranks' state, as its in-cell equivalent, or one that only looked, as a
-        comment (see :mod:`mlx_nbdist.history`). :meth:`run` adds its cells itself."""
-        with self._run_lock:
-            self.history.append(entry)
+        comment (see :mod:`mlx_nbdist.history`). :meth:`run` adds its cells itself.
+        Added at once, also while a cell runs: a look from another thread (``where``
+        in a subshell while a cell hangs) must not wait for the cell (a list's append
+        is atomic)."""
+        self.history.append(entry)
 
     def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write the cells this session ran on its ranks since its last (re)start, in

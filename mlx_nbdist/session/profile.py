@@ -116,6 +116,9 @@ class Profiles:
                 data = None
             if data and int(data.get("cell", -1)) == cell:
                 got[int(r)] = {**data, "name": name} if name else data
+        absent = sorted(int(r) for r in futures if int(r) not in got)
+        if absent:  # said in the summary: a lane missing without a word misleads
+            got = {r: {**p, "absent": absent} for r, p in got.items()}
         if got:
             self.cells.append(got)
         return len(got)
