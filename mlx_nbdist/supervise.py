@@ -468,8 +468,9 @@ class Supervisor:
                 break  # no progress: it waits in something the records do not show
             # it ran on (a loop: a generation issues its collectives token by token):
             # stop it at its next line once the next round releases it, or it would
-            # issue more for as long as it runs
-            self.s.kill_ranks(stuck, signal.SIGINT)
+            # issue more for as long as it runs (local ranks: a signal sent over ssh may
+            # land seconds later, in a cell nobody interrupted)
+            self.s.kill_ranks(stuck, signal.SIGINT, local_only=True)
         if not released:
             return False
         self.out.valid = False

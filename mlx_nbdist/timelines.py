@@ -171,9 +171,6 @@ class CommStats:
     rows: list[OpStats] = field(default_factory=list)
     #: each cell's name as the user saw it (``In [7]``), where it has one
     names: dict[int, str] = field(default_factory=dict)
-    #: per cell, the ranks that ran it but sent no record (their cell failed or was
-    #: ended before it finished): they have no lane
-    absent: dict[int, list[int]] = field(default_factory=dict)
     #: collectives issued inside ``mx.compile`` / ``mx.vmap`` (once for the group, as
     #: the rows count group collectives): counted nowhere else
     untimed: int = 0
