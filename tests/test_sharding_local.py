@@ -261,3 +261,36 @@ def test_grad_sync_single_rank_dp():
     assert np.array_equal(before[0], np.asarray(m.layers[0].weight))  # not updated
     with pytest.raises(ValueError):
         grad_sync(m, lambda mod: mod(x).sum(), mode="zero")
+
+
+def test_slices_a_models_own_shard_made_in_place_are_remembered_when_contiguous() -> None:
+    """mlx-lm's own shard() slices some layers in place (MoE experts): a rank's block is
+    remembered as split on its axis (slices, check and save then know it); a slice of
+    several blocks (``segments``) is not mistaken for one block: it is left looking
+    whole, which a save refuses, rather than described in a layout that is not its."""
+    from mlx.nn.layers.distributed import shard_inplace
+
+    from mlx_nbdist.engine.sharding import _PlanningGroup
+
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.gate, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.down(self.up(x) * self.gate(x))
+
+        def shard(self, group: object) -> None:
+            shard_inplace(self.up, "all-to-sharded", segments=2, group=group)
+            shard_inplace(self.gate, "all-to-sharded", group=group)
+            shard_inplace(self.down, "sharded-to-all", group=group)
+
+    m = Own()
+    shard(m, "megatron", group=_PlanningGroup(2, 1), check_identical=False)
+    got = {k: (v.mode, v.axis, v.full_shape) for k, v in param_specs(m, group_size=2).items()}
+    assert got == {
+        "up.weight": ("replicated", None, (8, 8)), "up.bias": ("replicated", None, (8,)),
+        "gate.weight": ("inplace-all-to-sharded", 0, (16, 8)),
+        "gate.bias": ("inplace-all-to-sharded", 0, (16,)),
+        "down.weight": ("inplace-sharded-to-all", 1, (8, 16)),
+        "down.bias": ("replicated", None, (8,))}

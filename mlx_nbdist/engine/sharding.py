@@ -591,7 +591,8 @@ def _spec_for(
         full = None
     elif name in getattr(getattr(module, _SLICED_ATTR, None), "params", {}):
         axis, full, n = getattr(module, _SLICED_ATTR).params[name]
-        mode = (ShardMode.INPLACE_SHARDED_TO_ALL if axis == len(local) - 1
+        # its inputs split (a weight's last axis) or its outputs (a bias, experts' rows)
+        mode = (ShardMode.INPLACE_SHARDED_TO_ALL if axis == len(local) - 1 > 0
                 else ShardMode.INPLACE_ALL_TO_SHARDED)
         return ParamSpec(mode=mode, axis=axis, segments=1, group_size=n, full_shape=full,
                          kind=_kind(module, name, axis), rank=rank, **common)
@@ -874,9 +875,12 @@ def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _No
 
 
 def _remember_sliced(model: nn.Module, the_plan: ShardPlan, classes: dict[str, type],
-                     n_ranks: int) -> None:
+                     whole: dict[str, mx.array], group: Any) -> None:
     """Mark what the model's own ``shard`` sliced in place (see :class:`_Sliced`): the
-    plan's rows, dry-run on a copy, say which axis each parameter lost."""
+    plan's rows, dry-run on a copy, say which axis each parameter lost. Only a rank's
+    contiguous block of the whole (checked against it) is remembered: a slice of
+    several blocks (``shard_inplace``'s ``segments``) or of another layout is left
+    looking whole, as before (a save then refuses it, naming it)."""
     rows = {r.path: r for r in the_plan.rows}
     nodes = _walk(model)
     by_path = {n.path: n for n in nodes}
@@ -886,11 +890,21 @@ def _remember_sliced(model: nn.Module, the_plan: ShardPlan, classes: dict[str, t
         sliced = {}
         for path, arr in _direct_params(node, by_path):
             row = rows.get(path)
-            if row is not None and row.axis is not None and tuple(arr.shape) != row.full_shape:
+            if (row is not None and row.axis is not None and path in whole
+                    and _own_block(whole[path], arr, row.axis, group.rank())):
                 name = path[len(node.path) + 1:] if node.path else path
-                sliced[name] = (row.axis, tuple(row.full_shape), n_ranks)
+                sliced[name] = (row.axis, tuple(row.full_shape), group.size())
         if sliced:
             setattr(node.module, _SLICED_ATTR, _Sliced(sliced))
+
+
+def _own_block(full: mx.array, local: mx.array, axis: int, rank: int) -> bool:
+    """Whether ``local`` is rank ``rank``'s contiguous block of ``full`` on ``axis``."""
+    k = local.shape[axis] if local.ndim == full.ndim else 0
+    if not k or k == full.shape[axis]:
+        return False
+    block = full[(slice(None),) * axis + (slice(rank * k, (rank + 1) * k),)]
+    return block.shape == local.shape and bool(mx.array_equal(block, local, equal_nan=True))
 
 
 def _own_row(path: str, arr: mx.array, node: _Node, new: _Node | None, n_ranks: int
@@ -1396,8 +1410,9 @@ def shard(
         return model
     if the_plan.own:
         classes = {n.path: type(n.module) for n in _walk(model)}
+        whole = dict(tree_flatten(model.parameters()))  # references: nothing is copied
         model.shard(group)
-        _remember_sliced(model, the_plan, classes, n_ranks)
+        _remember_sliced(model, the_plan, classes, whole, group)
         return model
     mode = None if isinstance(sharding, Mapping) else _mode(sharding)
     if mode is not None and RULES[mode].whole_model:
