@@ -459,14 +459,16 @@ class MLXDist(Magics):
             return
         print(api.format_status(s.status()))
 
-    def _cmd_save(self, args: argparse.Namespace) -> Any:
-        return self._guard(lambda: checkpoint.save(
+    # save and load say what they did as they finish (a value is shown only when it is
+    # the cell's last line: a cell that saves twice said so once)
+    def _cmd_save(self, args: argparse.Namespace) -> None:
+        print(self._guard(lambda: checkpoint.save(
             args.model, args.dir, args.optimizer, overwrite=args.overwrite,
-            tokenizer_from=args.tokenizer_from, session=self._session()))  # fmt: skip
+            tokenizer_from=args.tokenizer_from, session=self._session())))  # fmt: skip
 
-    def _cmd_load(self, args: argparse.Namespace) -> Any:
-        return self._guard(lambda: checkpoint.load(
-            args.model, args.dir, args.optimizer, session=self._session()))  # fmt: skip
+    def _cmd_load(self, args: argparse.Namespace) -> None:
+        print(self._guard(lambda: checkpoint.load(
+            args.model, args.dir, args.optimizer, session=self._session())))  # fmt: skip
 
     def _cmd_export(self, args: argparse.Namespace) -> None:
         s = self._session(allow_stopped=True)

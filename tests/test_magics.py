@@ -59,7 +59,7 @@ def test_usage_errors_are_one_line(ip, capfd, line: str, expected: str) -> None:
     assert "Traceback" not in out + err
 
 
-def test_start_cell_status_and_errors(ip, capfd) -> None:
+def test_start_cell_status_and_errors(ip, capfd, tmp_path) -> None:
     # a comment ends a magic's line, as in the README's first cell
     res, out, _ = run(ip, "%mlxdist start -n 2            # controller + 2 engines", capfd)
     assert res.success, out
@@ -114,6 +114,13 @@ def test_start_cell_status_and_errors(ip, capfd) -> None:
         res, out, err = run(ip, line, capfd)
         assert isinstance(res.error_in_exec, UsageError), (line, out, err)
         assert expected in out + err and "Traceback" not in out + err, (line, out + err)
+
+    # two saves in a cell say so twice (a magic's value shows only on a cell's last line)
+    res, out, _ = run(ip, "%%mlxdist\nimport mlx.nn as nn\nmx.random.seed(0)\nsv = nn.Linear(4, 4)",
+                      capfd)
+    res, out, _ = run(ip, f"%mlxdist save sv {tmp_path / 'a'}\n"
+                          f"%mlxdist save sv {tmp_path / 'b'}", capfd)
+    assert res.success and out.count("saved 'sv' (2 parameters) from 2 ranks") == 2, out
 
     # a look from another thread while a cell runs (a subshell, the cell hanging) answers
     # at once: it waited for the cell's end to write itself into the export's history
