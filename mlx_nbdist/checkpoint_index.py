@@ -502,6 +502,8 @@ def check_compatible(index: Index, layouts: Layouts, optimizer: str | None) -> N
         optimizer: the optimizer's name, for messages (``None``: none is loaded).
     """
     problems: list[str] = []
+    #: a difference each rank may find: said once, with the ranks that found it
+    by_rank: dict[str, list[int]] = {}
     for kind, saved, what in (("params", index.params, "parameter"),
                               ("optimizer", index.optimizer, "optimizer entry")):
         if kind == "optimizer" and optimizer is None:
@@ -524,12 +526,12 @@ def check_compatible(index: Index, layouts: Layouts, optimizer: str | None) -> N
                 if entry is None:
                     continue
                 if tuple(spec["shape"]) != tuple(entry.shape):
-                    problems.append(f"{what} {path}: the checkpoint holds shape "
-                                    f"{tuple(entry.shape)}, the model has "
-                                    f"{tuple(spec['shape'])} (rank {rank})")
+                    by_rank.setdefault(f"{what} {path}: the checkpoint holds shape "
+                                       f"{tuple(entry.shape)}, the model has "
+                                       f"{tuple(spec['shape'])}", []).append(rank)
                 elif spec["dtype"] != entry.dtype:
-                    problems.append(f"{what} {path}: the checkpoint holds {entry.dtype}, the "
-                                    f"model has {spec['dtype']} (rank {rank})")
+                    by_rank.setdefault(f"{what} {path}: the checkpoint holds {entry.dtype}, "
+                                       f"the model has {spec['dtype']}", []).append(rank)
                 else:
                     problem = Layout(tuple(spec["shape"]), spec["axis"], spec["segments"],
                                      spec["group_size"]).problem(path)
@@ -542,6 +544,10 @@ def check_compatible(index: Index, layouts: Layouts, optimizer: str | None) -> N
                             "holds")
         if extra:
             problems.append(f"the checkpoint has no {what} {', '.join(extra)} of the model")
+    for text, ranks in by_rank.items():
+        who = ("every rank" if len(ranks) == len(layouts) > 1
+               else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+        problems.append(f"{text} ({who})")
     if problems:
         unique = list(dict.fromkeys(problems))
         raise CheckpointError(
