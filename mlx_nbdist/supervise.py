@@ -115,6 +115,10 @@ class Supervisor:
         self._failed_at: float | None = None
         self._finished_at = 0.0  # when the first rank finished (see stragglers_after)
         self._drained = False
+        #: (the ranks' collective counts, since when) while a failed rank settles
+        self._settle_stall: tuple[tuple[int, ...], float] | None = None
+        #: failed ranks whose peers were ended while they settled, left to reply until
+        self._settlers: tuple[set[int], float] | None = None
         self._alive_at = time.monotonic()  # the session checked them before dispatch
         self._recv_wait: tuple[Any, float] | None = None  # (what, since) for deadlocks
         #: (what differs, the running ranks' collective counts, since) while the
@@ -383,6 +387,7 @@ class Supervisor:
         """React to ranks that failed while others still run; True when done."""
         if self._mismatch is not None:
             return False  # the ranks' collectives differ: _check_mismatch ends them
+        self._check_failed_settling(pending)
         finished = [r for r in self.futures if r not in pending]
         if not self._errored() and not finished:
             return False
@@ -401,8 +406,20 @@ class Supervisor:
         if time.monotonic() - self._failed_at < self.policy.failure_grace:
             return False
         stuck = [r for r in pending if self._in_collective(r)]
+        if self._settlers and time.monotonic() < self._settlers[1]:
+            # a failed rank whose peers were ended (see _check_failed_settling): its
+            # settle fails once MLX sees them gone, and its reply brings its error
+            stuck = [r for r in stuck if r not in self._settlers[0]]
         if not stuck:
             return False  # computing, not waiting on a peer: the deadline governs
+        if self._settlers:  # it did not reply: say what its cell failed with
+            for r in [r for r in stuck if r in self._settlers[0]]:
+                stuck.remove(r)
+                error = self.s.rank_record(r).get("settling_after") or "an error"
+                self._end([r], f"its cell failed ({error}); ended while it evaluated the "
+                               "collectives it had left unevaluated")
+            if not stuck:
+                return True
         if not self._drained:
             self._drained = True
             self._take_stacks(stuck)
@@ -410,6 +427,29 @@ class Supervisor:
                 return not self._running()
         self._end(stuck, "stuck in a collective after a peer failed")
         return True
+
+    def _check_failed_settling(self, pending: list[int]) -> None:
+        """A rank whose cell failed evaluates, as it ends, the collectives it left
+        unevaluated, in the order it issued them; a peer still in its cell evaluates its
+        own in the order its code asks (mlx-lm's generation leaves a prompt's last
+        collectives for later). Each may then wait for the other forever. Once no rank
+        has moved for ``failure_grace``, the peers still in their cells are ended: the
+        failed rank's settle then fails at once and its error reaches the notebook (the
+        deadline would have ended both, the error unseen)."""
+        failing = [r for r in pending if self.s.rank_record(r).get("settling_after")]
+        others = [r for r in pending if r not in failing and self._in_collective(r)]
+        if not failing or not others:
+            self._settle_stall = None
+            return
+        counts = tuple(self._cell_count(r) for r in pending)
+        now = time.monotonic()
+        if self._settle_stall is None or self._settle_stall[0] != counts:
+            self._settle_stall = (counts, now)
+        elif now - self._settle_stall[1] >= self.policy.failure_grace:
+            self._settle_stall = None
+            self._settlers = (set(failing), now + self.policy.settle_grace)
+            self._end(others, f"stuck in a collective while ranks {failing}, whose cells "
+                              "failed, evaluated the collectives they had left unevaluated")
 
     def _in_collective(self, rank: int) -> bool:
         """Whether ``rank`` issued a collective in this cell (it may be waiting in it)."""

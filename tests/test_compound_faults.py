@@ -395,3 +395,33 @@ def test_ledgers_of_messages_only_ranks_agree_with_idle_ranks() -> None:
     assert check_ledgers(led, [0, 1, 2], 3).problems == []
     led[1]["recvd"]["0"][0][3] = 1  # received after a collective the sender had not issued
     assert "different order" in check_ledgers(led, [0, 1, 2], 3).problems[0]
+
+
+def test_a_failed_rank_settling_in_issue_order_while_its_peer_generates_ends_fast(
+        fresh2: Session) -> None:
+    """A user trial: a pipelined generation whose sampler raises on rank 1. Rank 1's
+    cell ends and evaluates, in issue order, the collectives it left unevaluated (the
+    prompt's last all_gather, which mlx-lm leaves for later); rank 0, still generating,
+    waits for a message: each waited for the other until the deadline (300 s), and the
+    error was never shown. Now rank 0 is ended within seconds and rank 1's error shows."""
+    pytest.importorskip("mlx_lm")
+    from .lm_models import LM_COMMON
+
+    fresh2.run(LM_COMMON + "\nimport mlx_nbdist\n"
+               "pp = mlx_nbdist.shard(build_lm('qwen2', num_hidden_layers=4), 'pipeline')\n"
+               "calls = [0]\n"
+               "def failing(lp):\n"
+               "    calls[0] += 1\n"
+               "    if rank == 1 and calls[0] == 3:\n"
+               "        raise RuntimeError('the sampler fails on rank 1')\n"
+               "    return mx.argmax(lp, axis=-1)\n")
+    with pytest.raises(CellError) as info:
+        fresh2.run("mlx_nbdist.generate(pp, prompt, max_tokens=100, sampler=failing)",
+                   timeout=120)
+    assert info.value.result.ranks[0].status == KILLED
+    text = str(info.value)
+    assert "RuntimeError: the sampler fails on rank 1" in text, text  # its reply, or its status
+    assert "whose cells failed, evaluated the collectives they had left unevaluated" in text
+    assert not isinstance(info.value, CollectiveTimeout)
+    fresh2.restart()
+    assert_works(fresh2)

@@ -415,3 +415,25 @@ def test_a_mismatch_is_named_even_when_a_rank_raised() -> None:
     assert out.failures[1].cause == KILLED
     assert "rank 0: all_gather shape=(2, 3)" in out.broken
     assert "rank 1: all_sum shape=(2, 3)" in out.broken
+
+
+def test_peers_of_a_failed_rank_stuck_settling_are_ended_and_it_is_left_to_reply() -> None:
+    fake = FakeRanks()
+    fake.issue(0, "recv", peer=1)
+    fake.issue(1, "all_gather")
+    fake.records[1]["settling"] = [rec(101, "all_gather", fake.cell, 1)]
+    fake.records[1]["settling_after"] = "RuntimeError"
+
+    def kill(ranks, sig, local_only=False):
+        fake.signals.append((list(ranks), sig))
+        if sig == signal.SIGKILL:
+            for r in ranks:
+                fake.alive[r] = False
+                fake.futures[r].set_exception(RuntimeError("killed"))
+            fake.finish(1, RuntimeError("the sampler fails"))  # its settle fails at once
+
+    fake.kill_ranks = kill  # type: ignore[method-assign]
+    out = supervise(fake, timeout=5.0)
+    assert fake.signals == [([0], signal.SIGKILL)]
+    assert out.failures[0].cause == KILLED and "whose cells failed" in out.failures[0].evalue
+    assert 1 not in out.failures and not out.timed_out

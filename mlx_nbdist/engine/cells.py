@@ -45,15 +45,16 @@ def begin(meta: dict[str, Any]) -> None:
     st.monitor.cell_started(cell)
 
 
-def finish(status: str) -> None:
-    """End a cell or apply on this rank (``status``: ``ok`` or the exception's name):
+def finish(status: str, error: str = "") -> None:
+    """End a cell or apply on this rank (``status``: ``ok`` or the exception's name;
+    ``error``: its line, published while the cell's collectives settle):
     run its unevaluated collectives (see :meth:`Tracker.settle`), send the notebook
     its ledger when it issued any collective (and a profiled cell's timings), flush
     its output, publish its end."""
     st = state.current()
     recorder, st.tracker.recorder = st.tracker.recorder, None
     try:
-        st.tracker.settle()
+        st.tracker.settle(after="" if status == "ok" else error[:300] or status)
         data: dict[str, Any] = {}
         if st.tracker.cell_count:
             data[LEDGER_KEY] = st.tracker.ledger()
@@ -92,7 +93,8 @@ def install_hooks(ip: Any) -> None:
         interrupts.done()
         ok = result is not None and result.success
         error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
-        finish("ok" if ok else type(error).__name__ if error is not None else "Error")
+        finish("ok" if ok else type(error).__name__ if error is not None else "Error",
+               "" if ok or error is None else f"{type(error).__name__}: {error}")
 
     def number_as_notebook(lines: list[str]) -> list[str]:
         # A transformer runs before IPython takes the cell's number (pre_run_cell runs

@@ -82,17 +82,17 @@ def call(meta: dict[str, Any], fn: Callable[..., Any], *args: Any, **kwargs: Any
     except BaseException:
         interrupts.done()
         raise
-    status = "ok"
+    status, error = "ok", ""
     try:
         if interrupts.enter_body():
             raise KeyboardInterrupt
         return fn(*args, **kwargs)
     except BaseException as e:
-        status = type(e).__name__
+        status, error = type(e).__name__, f"{type(e).__name__}: {e}"
         raise
     finally:
         interrupts.done()
-        cells.finish(status)
+        cells.finish(status, error)
 
 
 def pull(name: str) -> Any:

@@ -113,8 +113,10 @@ class Tracker:
         #: per thread: how deep in functions mx.compile / mx.vmap transform (tracing())
         self._transforms = threading.local()
         self._begin_ledger()
-        #: records being evaluated by :meth:`settle` right now (published)
+        #: records being evaluated by :meth:`settle` right now (published), and the
+        #: error the cell ended with ("": none)
         self.settling: list[CollectiveRecord] = []
+        self.settling_after = ""
         #: times each collective of a profiled cell (see :mod:`.profile`); ``None``
         #: (every other cell) costs the wrapper one attribute test
         self.recorder: Recorder | None = None
@@ -272,6 +274,8 @@ class Tracker:
                 "tracker_cell": self.cell,
                 "cell_collectives": self.cell_count,
                 "settling": [vars(r).copy() for r in self.settling],
+                # the error the cell ended with while it settles ("": it ended well)
+                "settling_after": self.settling_after if self.settling else "",
                 # messages issued in this cell, per peer (the supervisor's deadlock test)
                 "sent": {str(p): len(v) for p, v in self._sent.items()},
                 "recvd": {str(p): len(v) for p, v in self._recvd.items()},
@@ -293,8 +297,9 @@ class Tracker:
                 "order": list(self._order),
             }
 
-    def settle(self) -> list[CollectiveRecord]:
-        """Evaluate, in issue order, this cell's collectives that are still unevaluated.
+    def settle(self, after: str = "") -> list[CollectiveRecord]:
+        """Evaluate, in issue order, this cell's collectives that are still unevaluated
+        (``after``: the error the cell ended with, published meanwhile).
 
         MLX runs a collective only when its output is evaluated; one issued and left
         unevaluated on some ranks would otherwise run whenever it is evaluated later
@@ -308,6 +313,7 @@ class Tracker:
         everything_ran = _evaluated(*(a for _, a, _ in held))
         pending = [] if everything_ran else [(rec, a) for rec, a, _ in held if not _evaluated(a)]
         failed: set[int] = set()
+        self.settling_after = after
         self.settling = [rec for rec, _ in pending]
         done = []
         try:
