@@ -72,6 +72,19 @@ def params_np(m):
     return {k: np.array(v) for k, v in tree_flatten(m.parameters())}
 
 
+def failing_sampler(on_rank, at):
+    """Greedy, but raising on rank ``on_rank`` at its ``at``-th token (a fault in a
+    generation); ``rank`` is the rank's own name."""
+    calls = [0]
+
+    def sample(lp):
+        calls[0] += 1
+        if rank == on_rank and calls[0] == at:
+            raise RuntimeError(f"the sampler fails on rank {on_rank}")
+        return mx.argmax(lp, axis=-1)
+    return sample
+
+
 tokens = mx.array([[1, 7, 42, 99, 3, 250, 17, 8]])
 prompt = [5, 17, 200, 33]
 '''

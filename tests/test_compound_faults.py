@@ -408,16 +408,10 @@ def test_a_failed_rank_settling_in_issue_order_while_its_peer_generates_ends_fas
     from .lm_models import LM_COMMON
 
     fresh2.run(LM_COMMON + "\nimport mlx_nbdist\n"
-               "pp = mlx_nbdist.shard(build_lm('qwen2', num_hidden_layers=4), 'pipeline')\n"
-               "calls = [0]\n"
-               "def failing(lp):\n"
-               "    calls[0] += 1\n"
-               "    if rank == 1 and calls[0] == 3:\n"
-               "        raise RuntimeError('the sampler fails on rank 1')\n"
-               "    return mx.argmax(lp, axis=-1)\n")
+               "pp = mlx_nbdist.shard(build_lm('qwen2', num_hidden_layers=4), 'pipeline')\n")
     with pytest.raises(CellError) as info:
-        fresh2.run("mlx_nbdist.generate(pp, prompt, max_tokens=100, sampler=failing)",
-                   timeout=120)
+        fresh2.run("mlx_nbdist.generate(pp, prompt, max_tokens=100, "
+                   "sampler=failing_sampler(on_rank=1, at=3))", timeout=120)
     assert info.value.result.ranks[0].status == KILLED
     text = str(info.value)
     assert "RuntimeError: the sampler fails on rank 1" in text, text  # its reply, or its status

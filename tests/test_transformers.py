@@ -213,16 +213,10 @@ def test_a_rank_failing_inside_a_generation_is_drained_and_the_session_kept(s2, 
     """A user trial: a sampler raising on rank 1 at the 3rd token of 100. Each release
     let rank 0 generate its next token and wait again, so the drain never caught up and
     the group was ended (14.7 s): a restart, the models lost."""
-    s2.run('gen_f = mlx_nbdist.shard(build_lm("llama"), "megatron")\n'
-           "calls = [0]\n"
-           "def failing(lp):\n"
-           "    calls[0] += 1\n"
-           "    if rank == 1 and calls[0] == 3:\n"
-           "        raise RuntimeError('the sampler fails on rank 1')\n"
-           "    return mx.argmax(lp, axis=-1)\n")
+    s2.run('gen_f = mlx_nbdist.shard(build_lm("llama"), "megatron")')
     with pytest.raises(CellError) as info:
-        s2.run("mlx_nbdist.generate(gen_f, prompt, max_tokens=100, sampler=failing)",
-               timeout=120)
+        s2.run("mlx_nbdist.generate(gen_f, prompt, max_tokens=100, "
+               "sampler=failing_sampler(on_rank=1, at=3))", timeout=120)
     text = str(info.value)
     assert "[rank 1] RuntimeError: the sampler fails on rank 1" in text, text
     assert "Drained" in text and "the session is still usable" in text, text
