@@ -536,9 +536,12 @@ class Supervisor:
         if settling:
             self.out.summary += (
                 f" Ranks {sorted(settling)} had left it unevaluated: a cell's collectives "
-                "are evaluated when it ends, so that none can pair with a later cell's; "
-                "every rank must issue (and evaluate) the same collectives."
+                "are evaluated when it ends, so that none can pair with a later cell's"
             )
+            # stopped: the interrupt or the deadline ended the cell, not its code
+            stopped = self.out.interrupted or self.out.timed_out
+            self.out.summary += "." if stopped else (
+                "; every rank must issue (and evaluate) the same collectives.")
         return True
 
     # -- deadline and interrupt ---------------------------------------------------

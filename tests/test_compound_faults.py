@@ -397,6 +397,29 @@ def test_ledgers_of_messages_only_ranks_agree_with_idle_ranks() -> None:
     assert "different order" in check_ledgers(led, [0, 1, 2], 3).problems[0]
 
 
+def test_a_message_of_another_size_is_the_cause_not_the_tag_read_after_it() -> None:
+    """A re-trial: float32 (2,) sent, float16 (2,) received. The first line blamed the
+    ranks' evaluation order (the tag read from the rest of the stream), the sizes came
+    after."""
+    from mlx_nbdist.outcomes import check_ledgers
+
+    order = [{"op": "recv", "shape": [2], "dtype": "float16", "n": 1, "peer": 0,
+              "with": {}, "settled": False}]
+    led = {
+        0: {"n": 1, "digest": "none", "sent": {"1": [[8, "float32", [2], 0]]}, "recvd": {}},
+        1: {"n": 1, "digest": "none", "sent": {}, "recvd": {"0": [[4, "float16", [2], 0]]},
+            "order": order},
+    }
+    problems = check_ledgers(led, [0, 1], 2).problems
+    assert problems and all(not p.startswith("message 1 from rank 0 to rank 1 (recv")
+                            for p in problems), problems
+    assert "8 bytes sent" in problems[0], problems
+    led[1]["recvd"]["0"][0][:3] = [8, "float32", [2]]  # the sizes agree: the tag says it
+    assert check_ledgers(led, [0, 1], 2).problems[0].startswith(
+        "message 1 from rank 0 to rank 1 (recv shape=(2,) dtype=float16) read another "
+        "message of rank 0")
+
+
 def test_a_failed_rank_settling_in_issue_order_while_its_peer_generates_ends_fast(
         fresh2: Session) -> None:
     """A user trial: a pipelined generation whose sampler raises on rank 1. Rank 1's

@@ -364,6 +364,12 @@ def test_a_message_to_a_rank_that_is_not_a_ring_neighbour_is_refused_when_issued
             f"rank {rank}, and its neighbours in the ring of 2 are rank(s) {1 - rank}."), (
             r.stdout(rank))
     assert session2.state == "ready"
+    r = session2.run("try:\n"
+                     "    mx.distributed.send(mx.ones(2), 5, group=world)\n"
+                     "except RuntimeError as e:\n"
+                     "    print(e)\n")
+    assert r.stdout(0).strip() == "Invalid destination=5: the group's ranks are 0 to 1"
+    assert session2.state == "ready"
 
 
 def test_a_message_received_as_another_dtype_of_the_same_bytes_is_read_right(

@@ -437,3 +437,24 @@ def test_peers_of_a_failed_rank_stuck_settling_are_ended_and_it_is_left_to_reply
     assert fake.signals == [([0], signal.SIGKILL)]
     assert out.failures[0].cause == KILLED and "whose cells failed" in out.failures[0].evalue
     assert 1 not in out.failures and not out.timed_out
+
+
+def test_a_drain_after_a_deadline_does_not_blame_the_cells_code_for_what_it_settled() -> None:
+    """A re-trial: an interrupted generation's drain said the ranks 'must issue (and
+    evaluate) the same collectives': the interrupt ended the cell, not its code."""
+    for timeout in (0.3, None):
+        fake = FakeRanks()
+        fake.issue(0, "all_sum")
+        fake.records[0]["settling"] = [rec(101, "all_sum", fake.cell, 1)]
+        if timeout:  # rank 1 runs past the deadline, takes SIGINT, is done; 0 waits
+            def kill(ranks, sig, local_only=False, fake=fake):
+                fake.signals.append((list(ranks), sig))
+                if sig == signal.SIGINT and not fake.futures[1].done():
+                    fake.finish(1, KeyboardInterrupt())
+
+            fake.kill_ranks = kill  # type: ignore[method-assign]
+        else:
+            fake.finish(1, ValueError("rank one fails"))
+        out = supervise(fake, timeout=timeout)
+        assert "had left it unevaluated" in out.summary, out.summary
+        assert ("must issue (and evaluate)" in out.summary) == (timeout is None), out.summary

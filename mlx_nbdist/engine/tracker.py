@@ -494,8 +494,8 @@ class Tracker:
             if size > 1 and not tracker._replaying:
                 problem = None if tracker.active_ranks is None else tracker._subset_problem(
                     op, group)
-                if problem is None and op in P2P and tracker.backend == "ring":
-                    problem = _neighbour_problem(op, peer, group)
+                if problem is None and op in P2P:
+                    problem = _peer_problem(op, peer, group, tracker.backend == "ring")
                 if problem is None and tracker.check and op not in P2P:
                     problem = tracker._signature_problem(op, shape, dtype, group)
                 if problem:
@@ -702,13 +702,20 @@ def _signature(op: str, shape: tuple[int, ...], dtype: str) -> list[int]:
     return [_OP_CODES[op], _code(dtype), len(shape), _code(repr(tuple(int(d) for d in shape)))]
 
 
-def _neighbour_problem(op: str, peer: int | None, group: Any) -> str | None:
-    """MLX's ring sends messages between neighbours only, and says so only when the
-    message is evaluated (the receive's output then holds no message): said when it is
-    issued."""
+def _peer_problem(op: str, peer: int | None, group: Any, ring: bool) -> str | None:
+    """A message to or from no rank of ``group`` (MLX refuses it as it is issued, after
+    mlx_nbdist counted it: a right program's next drop then failed), and, on ``ring``,
+    to or from a rank that is not a neighbour: MLX's ring sends messages between
+    neighbours only and says so only when the message is evaluated (the receive's
+    output then holds no message). Said when it is issued."""
     if peer is None:
         return None
     size, me = group.size(), group.rank()
+    if not 0 <= int(peer) < size:
+        which = "destination" if op == "send" else "source"
+        return f"Invalid {which}={peer}: the group's ranks are 0 to {size - 1}"
+    if not ring:
+        return None
     near = sorted({(me - 1) % size, (me + 1) % size})
     if int(peer) in near:
         return None
