@@ -255,3 +255,30 @@ def test_a_rank_that_showed_busy_is_idle_on_disk_when_its_cell_returns(
     for r in (0, 1):
         rec = session2.group.rank_record(r)
         assert rec["state"] == "idle" and rec["cell"] == session2.cell, rec
+
+
+def test_interrupt_from_another_thread_stops_the_running_cell(session2: Session) -> None:
+    """A re-trial: nothing in the API could interrupt ``Session.run`` from another
+    thread (the dashboard's button and Ctrl-C reach only a notebook's cells)."""
+    import threading
+    import time
+
+    from mlx_nbdist import CellInterrupted
+
+    assert session2.interrupt() is False  # nothing runs
+    got: list[BaseException] = []
+
+    def cell() -> None:
+        try:
+            session2.run("import time\nfor _ in range(600):\n    time.sleep(0.1)")
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            got.append(e)
+
+    t = threading.Thread(target=cell)
+    t.start()
+    while not session2.interrupt():
+        time.sleep(0.05)  # until the cell runs
+    t.join(30)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], CellInterrupted), got
+    assert "the session is still usable" in str(got[0]), str(got[0])
+    assert session2.run("print(rank)").stdout(1).strip() == "1"

@@ -210,6 +210,9 @@ class Session:
         #: one cell, apply or push at a time: a second caller (another thread, a
         #: kernel subshell) waits, so two cells' collectives never interleave
         self._run_lock = threading.RLock()
+        #: set by :meth:`interrupt` (another thread); the running cell's supervisor
+        #: takes it as the kernel's interrupt at its next tick
+        self._interrupt_requested = threading.Event()
         self.broken_reason = ""
         self.cluster: Cluster | None = None
         self.group: RankGroup | None = None
@@ -498,6 +501,30 @@ class Session:
             self._busy = False
             self._idle_since = time.monotonic()
 
+    def interrupt(self) -> bool:
+        """Interrupt the running cell or call from another thread, as Ctrl-C in the
+        thread that runs it would: SIGINT to the ranks, a drain, the group checked
+        (see docs/failure-modes.md); the call raises ``CellInterrupted`` in its thread,
+        within about 0.25 s. Returns whether one was running."""
+        if not self._busy:
+            return False
+        self._interrupt_requested.set()
+        return True
+
+    def _ticker(self, on_tick: Callable[[], None] | None) -> Callable[[], None]:
+        """``on_tick``, after raising the interrupt :meth:`interrupt` asked for."""
+        requested = self._interrupt_requested
+        requested.clear()
+
+        def tick() -> None:
+            if requested.is_set():
+                requested.clear()
+                raise KeyboardInterrupt("interrupted by Session.interrupt()")
+            if on_tick is not None:
+                on_tick()
+
+        return tick
+
     def _idle_for(self) -> bool:
         """No cell or apply has run for :data:`~mlx_nbdist.config.SPARE_AFTER` seconds
         (the spare's start must not compete with the cells for the CPU: on 2 cores it
@@ -741,7 +768,8 @@ class Session:
             futures = dict(zip(targets, _ipp.futures_of(ar), strict=True))
             policy = replace(self.policy, timeout=timeout)
             outcome = Supervisor(
-                group, futures, policy, on_tick, cell=self._cell, on_poll=on_poll, wake=wake
+                group, futures, policy, self._ticker(on_tick), cell=self._cell,
+                on_poll=on_poll, wake=wake,
             ).wait()
             try:
                 engine_ids = {r: info.engine_id for r, info in group.ranks.items()}
