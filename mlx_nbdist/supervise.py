@@ -477,6 +477,8 @@ class Supervisor:
                 # a helper's status file may not show its replays yet
                 have = issued[f] = max(self._cell_count(f), issued.get(f, 0))
                 recs = [dict(vars(rec), from_rank=source) for rec in records if rec.index > have]
+                if any(not r["group_index"] and not r["trace"] for r in recs):
+                    return False  # over a subgroup: a replay over the world cannot match it
                 # the status file keeps the last records only: a gap cannot be replayed
                 if recs and recs[0]["index"] == have + 1:
                     plan[f] = recs

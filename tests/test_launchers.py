@@ -92,6 +92,13 @@ def test_mpi_two_ranks_with_mpi4py_and_failure_drain() -> None:
               "except (RuntimeError, ValueError) as e:\n    print(e)\n")
         assert s.state == "ready"
         check_collectives(s)
+        # a rank failing while its peer waits over the subgroup: not drainable (a replay
+        # runs over the world), so the peer is ended; the failed rank's error is kept
+        with pytest.raises(CellError) as info:
+            s.run("if rank == 1:\n    raise RuntimeError('rank 1 fails')\n"
+                  "mx.eval(mx.distributed.all_sum(mx.ones(2), group=sub))")
+        assert "[rank 1] RuntimeError: rank 1 fails" in str(info.value), str(info.value)
+        assert s.state == "broken"
     finally:
         pids = session_pids(s)
         s.stop()

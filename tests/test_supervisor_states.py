@@ -48,9 +48,13 @@ class FakeRanks:
         self.stacks_asked: list[list[int]] = []
 
     def issue(self, rank: int, op: str, peer: int | None = None, cell: int | None = None,
-              shape: tuple[int, ...] = (4,), group_index: int = 0) -> None:
+              shape: tuple[int, ...] = (4,), group_index: int | None = None) -> None:
+        """``group_index``: its position over the whole group (0: over a subgroup);
+        by default the rank's count, as a rank's tracker numbers its collectives."""
         r = self.records[rank]
         r["cell_collectives"] += 1
+        if group_index is None:
+            group_index = r["cell_collectives"]
         seq = len(r["recent"]) + 100
         r["recent"].append(rec(seq, op, cell or self.cell, r["cell_collectives"], peer, shape,
                                group_index))
@@ -164,6 +168,17 @@ def test_a_rank_that_runs_on_after_a_release_is_stopped_at_its_next_line() -> No
     assert out.failures[0].cause == DRAINED and out.needs_alignment and not out.broken
     # the collectives it waited in, a run of alike ones said once
     assert "were waiting in #1-#2 all_sum shape=(4,) (2);" in out.summary, out.summary
+
+
+def test_a_rank_stuck_over_a_subgroup_is_ended_and_the_failed_ranks_error_kept() -> None:
+    """A re-trial (mpi, world.split): the drain replayed a subgroup's all_sum over the
+    world, blocked, and the failed rank was ended too: its error was shown nowhere."""
+    fake = FakeRanks()
+    fake.issue(0, "all_sum", group_index=0)
+    fake.finish(1, ValueError("rank one fails"))
+    out = supervise(fake)
+    assert fake.drain_plans == [] and fake.signals == [([0], signal.SIGKILL)]
+    assert out.failures[0].cause == KILLED and 1 not in out.failures
 
 
 def test_a_completed_drain_must_still_be_proven_in_step() -> None:
