@@ -110,9 +110,11 @@ class Policy:
     failure_grace: float = 2.0
     #: how long a drain may take before the stuck ranks are ended
     drain_timeout: float = 3.0
-    #: a rank whose cell failed, left evaluating what it had left unevaluated once its
-    #: stuck peers were ended: how long it is given to reply with its error
-    settle_grace: float = 3.0
+    #: a rank whose cell failed evaluates what it had left unevaluated; when no rank
+    #: moves for this long meanwhile, its peers are taken for waiting on it in another
+    #: order and are ended (longer than failure_grace: a peer may be computing before
+    #: it evaluates the same collective, and ending it breaks the group)
+    settle_grace: float = 10.0
     #: after SIGINT, how long before the ranks still running are ended
     interrupt_grace: float = 2.0
     #: meanwhile, how often SIGINT is sent again to local ranks still running (one that

@@ -433,9 +433,10 @@ class Supervisor:
         unevaluated, in the order it issued them; a peer still in its cell evaluates its
         own in the order its code asks (mlx-lm's generation leaves a prompt's last
         collectives for later). Each may then wait for the other forever. Once no rank
-        has moved for ``failure_grace``, the peers still in their cells are ended: the
-        failed rank's settle then fails at once and its error reaches the notebook (the
-        deadline would have ended both, the error unseen)."""
+        has moved for ``settle_grace``, the peers still in their cells are ended: the
+        failed rank's settle then fails and its error reaches the notebook, or it is
+        ended ``drain_timeout`` later, its error taken from its status (the deadline
+        would have ended both, the error unseen)."""
         failing = [r for r in pending if self.s.rank_record(r).get("settling_after")]
         others = [r for r in pending if r not in failing and self._in_collective(r)]
         if not failing or not others:
@@ -445,9 +446,9 @@ class Supervisor:
         now = time.monotonic()
         if self._settle_stall is None or self._settle_stall[0] != counts:
             self._settle_stall = (counts, now)
-        elif now - self._settle_stall[1] >= self.policy.failure_grace:
+        elif now - self._settle_stall[1] >= self.policy.settle_grace:
             self._settle_stall = None
-            self._settlers = (set(failing), now + self.policy.settle_grace)
+            self._settlers = (set(failing), now + self.policy.drain_timeout)
             self._end(others, f"stuck in a collective while ranks {failing}, whose cells "
                               "failed, evaluated the collectives they had left unevaluated")
 

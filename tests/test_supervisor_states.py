@@ -16,6 +16,7 @@ from mlx_nbdist.results import DIED, DRAINED, KILLED, PAUSED, Frame, RankStack
 from mlx_nbdist.supervise import Policy, Supervisor
 
 FAST = dict(failure_grace=0.2, drain_timeout=0.5, interrupt_grace=0.2, deadlock_grace=0.3,
+            settle_grace=0.4,
             alive_every=0.02, poll=0.01, stragglers_after=0.0)
 
 
