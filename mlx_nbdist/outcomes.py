@@ -97,10 +97,16 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
             if str(dst) not in (ledgers.get(src) or {}).get("sent", {}) and got:
                 _compare_messages(out, src, dst, [], got)
     order = order_problems(ledgers, ran)
-    if out.problems:  # a message of another size: a tag read after it is its consequence
-        order = [p for p in order if not p.startswith("message ")]
+    # a message of another size: a tag read after it, between the same ranks, follows
+    pairs = {m.groups() for p in out.problems for m in [_PAIR.search(p)] if m}
+    order = [p for p in order if not (p.startswith("message ") and (m := _PAIR.search(p))
+                                      and m.groups() in pairs)]
     out.problems[:0] = order
     return out
+
+
+#: the ranks a message's line names: ``from rank 0 to rank 1``
+_PAIR = re.compile(r"from rank (\d+) to rank (\d+)")
 
 
 def order_problems(ledgers: dict[int, dict[str, Any]], ran: list[int]) -> list[str]:

@@ -115,6 +115,7 @@ class Supervisor:
         self._failed_at: float | None = None
         self._finished_at = 0.0  # when the first rank finished (see stragglers_after)
         self._drained = False
+        self._begun = time.monotonic()
         #: (the ranks' collective counts, since when) while a failed rank settles
         self._settle_stall: tuple[tuple[int, ...], float] | None = None
         #: failed ranks whose peers were ended while they settled, left to reply until
@@ -254,6 +255,8 @@ class Supervisor:
         try:
             self._check_mismatch()
             self._check_deadlock()
+            if now - self._begun >= self.policy.failure_grace:  # none before: cheap cells
+                self._check_failed_settling(self._running())
         finally:
             self._records = None
 
@@ -387,7 +390,14 @@ class Supervisor:
         """React to ranks that failed while others still run; True when done."""
         if self._mismatch is not None:
             return False  # the ranks' collectives differ: _check_mismatch ends them
-        self._check_failed_settling(pending)
+        if self._settlers and time.monotonic() >= self._settlers[1]:
+            late, self._settlers = [r for r in pending if r in self._settlers[0]], None
+            for r in late:  # it did not reply: say what its cell failed with
+                error = self.s.rank_record(r).get("settling_after") or "an error"
+                self._end([r], f"its cell failed ({error}); ended while it evaluated the "
+                               "collectives it had left unevaluated")
+            if late:
+                return not self._running()
         finished = [r for r in self.futures if r not in pending]
         if not self._errored() and not finished:
             return False
@@ -412,14 +422,6 @@ class Supervisor:
             stuck = [r for r in stuck if r not in self._settlers[0]]
         if not stuck:
             return False  # computing, not waiting on a peer: the deadline governs
-        if self._settlers:  # it did not reply: say what its cell failed with
-            for r in [r for r in stuck if r in self._settlers[0]]:
-                stuck.remove(r)
-                error = self.s.rank_record(r).get("settling_after") or "an error"
-                self._end([r], f"its cell failed ({error}); ended while it evaluated the "
-                               "collectives it had left unevaluated")
-            if not stuck:
-                return True
         if not self._drained:
             self._drained = True
             self._take_stacks(stuck)
@@ -437,12 +439,15 @@ class Supervisor:
         failed rank's settle then fails and its error reaches the notebook, or it is
         ended ``drain_timeout`` later, its error taken from its status (the deadline
         would have ended both, the error unseen)."""
-        failing = [r for r in pending if self.s.rank_record(r).get("settling_after")]
+        records = {r: self._record(r) for r in pending}
+        failing = [r for r in pending if records[r].get("settling_after")]
         others = [r for r in pending if r not in failing and self._in_collective(r)]
         if not failing or not others:
             self._settle_stall = None
             return
-        counts = tuple(self._cell_count(r) for r in pending)
+        # moving: a rank issues collectives, or a failed rank's settle runs one more
+        counts = (*(self._cell_count(r) for r in pending),
+                  *(int(records[r].get("settled", 0)) for r in failing))
         now = time.monotonic()
         if self._settle_stall is None or self._settle_stall[0] != counts:
             self._settle_stall = (counts, now)

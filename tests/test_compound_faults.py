@@ -414,7 +414,13 @@ def test_a_message_of_another_size_is_the_cause_not_the_tag_read_after_it() -> N
     assert problems and all(not p.startswith("message 1 from rank 0 to rank 1 (recv")
                             for p in problems), problems
     assert "8 bytes sent" in problems[0], problems
-    led[1]["recvd"]["0"][0][:3] = [8, "float32", [2]]  # the sizes agree: the tag says it
+    # another pair's sizes differ (rank 1 to rank 0): this pair's tag still says it
+    led[1]["sent"] = {"0": [[8, "float32", [2], 0]]}
+    led[0]["recvd"] = {"1": [[4, "float16", [2], 0]]}
+    led[1]["recvd"]["0"][0][:3] = [8, "float32", [2]]
+    assert any(p.startswith("message 1 from rank 0 to rank 1 (recv") for p in
+               check_ledgers(led, [0, 1], 2).problems)
+    led[1]["sent"], led[0]["recvd"] = {}, {}  # and alone, the sizes agree: the tag says it
     assert check_ledgers(led, [0, 1], 2).problems[0].startswith(
         "message 1 from rank 0 to rank 1 (recv shape=(2,) dtype=float16) read another "
         "message of rank 0")

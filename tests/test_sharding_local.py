@@ -263,12 +263,13 @@ def test_grad_sync_single_rank_dp():
         grad_sync(m, lambda mod: mod(x).sum(), mode="zero")
 
 
-def test_slices_a_models_own_shard_made_in_place_are_remembered_when_contiguous() -> None:
-    """mlx-lm's own shard() slices some layers in place (MoE experts): a rank's block is
-    remembered as split on its axis (slices, check and save then know it); a slice of
-    several blocks (``segments``) is not mistaken for one block: it is left looking
-    whole, which a save refuses, rather than described in a layout that is not its."""
+def test_slices_a_models_own_shard_made_in_place_are_remembered_in_their_layout() -> None:
+    """mlx-lm's own shard() slices some layers in place (MoE experts): each slice is
+    remembered as shard_inplace's predicate gave it (axis, segments), so slices, check
+    and save know it split, read back from no weight (a value check read the whole of
+    every expert on every rank, and took constant values for any layout)."""
     from mlx.nn.layers.distributed import shard_inplace
+    from mlx.utils import tree_flatten
 
     from mlx_nbdist.engine.sharding import _PlanningGroup
 
@@ -276,6 +277,7 @@ def test_slices_a_models_own_shard_made_in_place_are_remembered_when_contiguous(
         def __init__(self) -> None:
             super().__init__()
             self.up, self.gate, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.mix = nn.Linear(8, 8)
 
         def __call__(self, x: mx.array) -> mx.array:
             return self.down(self.up(x) * self.gate(x))
@@ -284,13 +286,23 @@ def test_slices_a_models_own_shard_made_in_place_are_remembered_when_contiguous(
             shard_inplace(self.up, "all-to-sharded", segments=2, group=group)
             shard_inplace(self.gate, "all-to-sharded", group=group)
             shard_inplace(self.down, "sharded-to-all", group=group)
+            shard_inplace(self.mix, "all-to-sharded", segments=[0.25], group=group)
 
     m = Own()
+    full = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
     shard(m, "megatron", group=_PlanningGroup(2, 1), check_identical=False)
-    got = {k: (v.mode, v.axis, v.full_shape) for k, v in param_specs(m, group_size=2).items()}
+    specs = param_specs(m, group_size=2, rank=1)
+    got = {k: (v.mode, v.axis, v.segments, v.full_shape) for k, v in specs.items()}
     assert got == {
-        "up.weight": ("replicated", None, (8, 8)), "up.bias": ("replicated", None, (8,)),
-        "gate.weight": ("inplace-all-to-sharded", 0, (16, 8)),
-        "gate.bias": ("inplace-all-to-sharded", 0, (16,)),
-        "down.weight": ("inplace-sharded-to-all", 1, (8, 16)),
-        "down.bias": ("replicated", None, (8,))}
+        "up.weight": ("inplace-all-to-sharded", 0, 2, (16, 8)),
+        "up.bias": ("inplace-all-to-sharded", 0, 2, (16,)),
+        "gate.weight": ("inplace-all-to-sharded", 0, 1, (16, 8)),
+        "gate.bias": ("inplace-all-to-sharded", 0, 1, (16,)),
+        "down.weight": ("inplace-sharded-to-all", 1, 1, (8, 16)),
+        "down.bias": ("replicated", None, 1, (8,)),
+        # fractional segments: no layout to describe it in, so it looks whole (refused)
+        "mix.weight": ("replicated", None, 1, (4, 8)),
+        "mix.bias": ("replicated", None, 1, (4,))}
+    # rank 1's slice of up (2 segments): rows 4:8 and 12:16 of the whole
+    want = np.concatenate([full["up.weight"][4:8], full["up.weight"][12:16]])
+    np.testing.assert_array_equal(np.array(m.up.weight), want)

@@ -8,6 +8,13 @@ clear message, on a backend without ``sum_scatter`` (instead of a terse error at
 evaluation), and :mod:`mlx_nbdist.engine.gradsync` replaces it for the "before"
 gradient (a backward that slices instead of reducing).
 
+A model's own ``shard(group)`` (mlx-lm's) slices some layers in place with
+``shard_inplace``, whose layout (axis, segments) only its sharding predicate knows;
+every in-place slice goes through ``mlx.nn.layers.distributed._shard``, looked up when
+it is called: :func:`shard_predicates` listens there, so that
+:mod:`mlx_nbdist.engine.sharding` records each slice's layout as it is made, without
+reading any weight.
+
 Checked against mlx 0.32.
 """
 
@@ -28,6 +35,35 @@ def gather_fn(module: Any) -> Callable[..., Any]:
 def set_gather_fn(module: Any, fn: Callable[..., Any]) -> None:
     """Make ``module`` (a ``FullyShardedModule``) gather its shards with ``fn``."""
     module._gather_fn = fn
+
+
+@contextmanager
+def shard_predicates(paths: dict[int, str]) -> Iterator[dict[str, tuple[Any, Any, tuple]]]:
+    """Within: what ``shard_inplace``'s sharding predicate said of each parameter it
+    sliced, ``{path: (axis, segments, full shape)}`` (``paths``: each parameter's
+    ``id`` to its path in the model; others are not recorded)."""
+    import mlx.nn.layers.distributed as mxd
+
+    original = mxd._shard
+    said: dict[str, tuple[Any, Any, tuple]] = {}
+
+    def _shard(parameters: Any, sharding_predicate: Callable[..., Any], group: Any = None
+               ) -> Any:
+        def predicate(path: str, weight: Any) -> Any:
+            s = sharding_predicate(path, weight)
+            where = paths.get(id(weight))
+            if where is not None and s is not None:
+                axis, segments = (s, 1) if isinstance(s, int) else s
+                said[where] = (axis, segments, tuple(weight.shape))
+            return s
+
+        return original(parameters, predicate, group)
+
+    mxd._shard = _shard
+    try:
+        yield said
+    finally:
+        mxd._shard = original
 
 
 @contextmanager

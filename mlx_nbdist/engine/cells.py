@@ -45,6 +45,14 @@ def begin(meta: dict[str, Any]) -> None:
     st.monitor.cell_started(cell)
 
 
+def error_line(error: BaseException) -> str:
+    """``Type: message`` of ``error`` (its type alone when its text cannot be made)."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001 - a __str__ that raises: the cell must still end
+        return type(error).__name__
+
+
 def finish(status: str, error: str = "") -> None:
     """End a cell or apply on this rank (``status``: ``ok`` or the exception's name;
     ``error``: its line, published while the cell's collectives settle):
@@ -94,7 +102,7 @@ def install_hooks(ip: Any) -> None:
         ok = result is not None and result.success
         error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
         finish("ok" if ok else type(error).__name__ if error is not None else "Error",
-               "" if ok or error is None else f"{type(error).__name__}: {error}")
+               "" if ok or error is None else error_line(error))
 
     def number_as_notebook(lines: list[str]) -> list[str]:
         # A transformer runs before IPython takes the cell's number (pre_run_cell runs

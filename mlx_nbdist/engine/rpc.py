@@ -88,7 +88,7 @@ def call(meta: dict[str, Any], fn: Callable[..., Any], *args: Any, **kwargs: Any
             raise KeyboardInterrupt
         return fn(*args, **kwargs)
     except BaseException as e:
-        status, error = type(e).__name__, f"{type(e).__name__}: {e}"
+        status, error = type(e).__name__, cells.error_line(e)
         raise
     finally:
         interrupts.done()

@@ -296,11 +296,12 @@ class _LayerShard:
 @dataclass
 class _Sliced:
     """Parameters a model's own ``shard`` sliced in place, the layer keeping its class
-    (mlx-lm slices MoE experts so), by name: ``(axis, full shape, group size)``. Kept
-    as an attribute on the layer, as :class:`_LayerShard`; without it they would be
-    described as whole on every rank (a false "diverged", a refused save)."""
+    (mlx-lm slices MoE experts so), by name: ``(axis, full shape, group size,
+    segments)``, as ``shard_inplace``'s predicate said. Kept as an attribute on the
+    layer, as :class:`_LayerShard`; without it they would be described as whole on
+    every rank (a false "diverged", a refused save)."""
 
-    params: dict[str, tuple[int, tuple[int, ...], int]]
+    params: dict[str, tuple[int, tuple[int, ...], int, int]]
 
 
 #: the attribute a layer keeps its :class:`_Sliced` in
@@ -590,12 +591,12 @@ def _spec_for(
         mode, segments, n = tp_mode, 1, module.group.size()
         full = None
     elif name in getattr(getattr(module, _SLICED_ATTR, None), "params", {}):
-        axis, full, n = getattr(module, _SLICED_ATTR).params[name]
+        axis, full, n, segments = getattr(module, _SLICED_ATTR).params[name]
         # its inputs split (a weight's last axis) or its outputs (a bias, experts' rows)
         mode = (ShardMode.INPLACE_SHARDED_TO_ALL if axis == len(local) - 1 > 0
                 else ShardMode.INPLACE_ALL_TO_SHARDED)
-        return ParamSpec(mode=mode, axis=axis, segments=1, group_size=n, full_shape=full,
-                         kind=_kind(module, name, axis), rank=rank, **common)
+        return ParamSpec(mode=mode, axis=axis, segments=segments, group_size=n,
+                         full_shape=full, kind=_kind(module, name, axis), rank=rank, **common)
     else:
         return ParamSpec(mode=ShardMode.REPLICATED, axis=None, segments=1, group_size=1,
                          full_shape=local, kind=_kind(module, name, None), rank=rank,
@@ -874,14 +875,13 @@ def _plan_own_shard(model: nn.Module, nodes: list[_Node], by_path: dict[str, _No
     result.warnings += _block_layouts(after_blocks, layers, {}, n_ranks)[1]
 
 
-def _remember_sliced(model: nn.Module, the_plan: ShardPlan, classes: dict[str, type],
-                     whole: dict[str, mx.array], group: Any) -> None:
-    """Mark what the model's own ``shard`` sliced in place (see :class:`_Sliced`): the
-    plan's rows, dry-run on a copy, say which axis each parameter lost. Only a rank's
-    contiguous block of the whole (checked against it) is remembered: a slice of
-    several blocks (``shard_inplace``'s ``segments``) or of another layout is left
-    looking whole, as before (a save then refuses it, naming it)."""
-    rows = {r.path: r for r in the_plan.rows}
+def _remember_sliced(model: nn.Module, classes: dict[str, type],
+                     said: dict[str, tuple[Any, Any, tuple]], n_ranks: int) -> None:
+    """Mark what the model's own ``shard`` sliced in place (see :class:`_Sliced`), in
+    the layout ``shard_inplace``'s predicate gave it (``said``: see
+    :func:`~mlx_nbdist.engine._mlx.shard_predicates`). Segments given as fractions or
+    offsets (a list), and slices made by hand (``w[rank * k:]``), are left looking
+    whole, as before: a save then refuses them, naming them."""
     nodes = _walk(model)
     by_path = {n.path: n for n in nodes}
     for node in nodes:
@@ -889,22 +889,17 @@ def _remember_sliced(model: nn.Module, the_plan: ShardPlan, classes: dict[str, t
             continue  # a new layer (MLX's sharded Linear): its class says how it is split
         sliced = {}
         for path, arr in _direct_params(node, by_path):
-            row = rows.get(path)
-            if (row is not None and row.axis is not None and path in whole
-                    and _own_block(whole[path], arr, row.axis, group.rank())):
+            if path not in said:
+                continue
+            axis, segments, full = said[path]
+            if not isinstance(segments, int) or not full or arr.ndim != len(full):
+                continue
+            axis = int(axis) % len(full)
+            if tuple(arr.shape) != full:
                 name = path[len(node.path) + 1:] if node.path else path
-                sliced[name] = (row.axis, tuple(row.full_shape), group.size())
+                sliced[name] = (axis, tuple(full), n_ranks, segments)
         if sliced:
             setattr(node.module, _SLICED_ATTR, _Sliced(sliced))
-
-
-def _own_block(full: mx.array, local: mx.array, axis: int, rank: int) -> bool:
-    """Whether ``local`` is rank ``rank``'s contiguous block of ``full`` on ``axis``."""
-    k = local.shape[axis] if local.ndim == full.ndim else 0
-    if not k or k == full.shape[axis]:
-        return False
-    block = full[(slice(None),) * axis + (slice(rank * k, (rank + 1) * k),)]
-    return block.shape == local.shape and bool(mx.array_equal(block, local, equal_nan=True))
 
 
 def _own_row(path: str, arr: mx.array, node: _Node, new: _Node | None, n_ranks: int
@@ -1211,8 +1206,7 @@ def _plan_fsdp(
     if tp:
         result.problems.append(
             f"fsdp over tensor-parallel or shard_inplace layers is not supported: {', '.join(tp)}")
-    packed = [n.path or "(root)" for n in nodes
-              if isinstance(n.module, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    packed = [n.path or "(root)" for n in nodes if "scales" in n.module]  # quantized
     if packed:
         result.problems.append(
             "fsdp over quantized layers is not supported (MLX's fully_shard gathers their "
@@ -1410,9 +1404,10 @@ def shard(
         return model
     if the_plan.own:
         classes = {n.path: type(n.module) for n in _walk(model)}
-        whole = dict(tree_flatten(model.parameters()))  # references: nothing is copied
-        model.shard(group)
-        _remember_sliced(model, the_plan, classes, whole, group)
+        paths = {id(a): p for p, a in tree_flatten(model.parameters())}
+        with _mlx.shard_predicates(paths) as said:
+            model.shard(group)
+        _remember_sliced(model, classes, said, n_ranks)
         return model
     mode = None if isinstance(sharding, Mapping) else _mode(sharding)
     if mode is not None and RULES[mode].whole_model:

@@ -117,6 +117,8 @@ class Tracker:
         #: error the cell ended with ("": none)
         self.settling: list[CollectiveRecord] = []
         self.settling_after = ""
+        #: how many of :attr:`settling` have run (published: a settle that moves)
+        self.settled = 0
         #: times each collective of a profiled cell (see :mod:`.profile`); ``None``
         #: (every other cell) costs the wrapper one attribute test
         self.recorder: Recorder | None = None
@@ -276,6 +278,7 @@ class Tracker:
                 "settling": [vars(r).copy() for r in self.settling],
                 # the error the cell ended with while it settles ("": it ended well)
                 "settling_after": self.settling_after if self.settling else "",
+                "settled": self.settled,
                 # messages issued in this cell, per peer (the supervisor's deadlock test)
                 "sent": {str(p): len(v) for p, v in self._sent.items()},
                 "recvd": {str(p): len(v) for p, v in self._recvd.items()},
@@ -313,7 +316,7 @@ class Tracker:
         everything_ran = _evaluated(*(a for _, a, _ in held))
         pending = [] if everything_ran else [(rec, a) for rec, a, _ in held if not _evaluated(a)]
         failed: set[int] = set()
-        self.settling_after = after
+        self.settling_after, self.settled = after, 0
         self.settling = [rec for rec, _ in pending]
         done = []
         try:
@@ -325,6 +328,8 @@ class Tracker:
                     # backend lacks (ring has no sum_scatter), a peer gone: not our error
                     failed.add(rec.seq)
                     continue
+                finally:
+                    self.settled += 1
                 done.append(rec)
         finally:
             self.settling = []

@@ -494,6 +494,7 @@ class Session:
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
         """A cell or apply runs (the spare waits for an idle session: :meth:`_idle_for`)."""
+        self._interrupt_requested.clear()  # one asked for before this call is not its
         self._busy = True
         try:
             yield
@@ -512,16 +513,20 @@ class Session:
         return True
 
     def _ticker(self, on_tick: Callable[[], None] | None) -> Callable[[], None]:
-        """``on_tick``, after raising the interrupt :meth:`interrupt` asked for."""
+        """``on_tick``, after raising the interrupt :meth:`interrupt` asked for (a
+        display that fails is dropped here, so the supervisor never drops the check)."""
         requested = self._interrupt_requested
-        requested.clear()
+        display = [on_tick]
 
         def tick() -> None:
             if requested.is_set():
                 requested.clear()
                 raise KeyboardInterrupt("interrupted by Session.interrupt()")
-            if on_tick is not None:
-                on_tick()
+            if display[0] is not None:
+                try:
+                    display[0]()
+                except Exception:  # noqa: BLE001 - a display must never break the cell
+                    display[0] = None
 
         return tick
 
