@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ranks_named
 from .results import ShardMode
 
 __all__ = [
@@ -545,8 +545,7 @@ def check_compatible(index: Index, layouts: Layouts, optimizer: str | None) -> N
         if extra:
             problems.append(f"the checkpoint has no {what} {', '.join(extra)} of the model")
     for text, ranks in by_rank.items():
-        who = ("every rank" if len(ranks) == len(layouts) > 1
-               else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+        who = "every rank" if len(ranks) == len(layouts) > 1 else ranks_named(ranks)
         problems.append(f"{text} ({who})")
     if problems:
         unique = list(dict.fromkeys(problems))

@@ -201,6 +201,13 @@ def _stack_key(f: RankFailure) -> tuple:
                  for fr in f.stack.frames)
 
 
+def ranks_named(ranks: list[int]) -> str:
+    """``[1]`` as ``rank 1``, ``[0, 2]`` as ``ranks 0, 2``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks))}"
+
+
 def rank_span(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` as ``0-2, 5``."""
     ordered = sorted(set(ranks))

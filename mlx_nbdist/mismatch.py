@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .errors import ranks_named
+
 #: what must agree across ranks: op, shape, dtype (and whether ``--check-collectives``
 #: issued it)
 Signature = tuple[str, tuple[int, ...], str, bool]
@@ -73,7 +75,7 @@ def first_mismatch(by_rank: Mapping[int, Mapping[Position, Signature]]) -> str |
             if k in by_rank[r]:
                 ranks_of.setdefault(by_rank[r][k], []).append(r)
         if len(ranks_of) > 1:
-            parts = "; ".join(f"{_ranks(rs)}: {describe(sig)}" for sig, rs in ranks_of.items())
+            parts = "; ".join(f"{ranks_named(rs)}: {describe(sig)}" for sig, rs in ranks_of.items())
             trace, n = k
             where = f"collective {n} of {_trace_name(trace)}" if trace else (
                 f"collective {n} of this cell")
@@ -91,8 +93,8 @@ def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
         if len(have) < len(traces):
             others = sorted(set(traces) - set(have))
             return (
-                f"{_trace_name(key)} recorded collectives on {_ranks(have)} but not on "
-                f"{_ranks(others)}, whose call reused a trace of an earlier call (other "
+                f"{_trace_name(key)} recorded collectives on {ranks_named(have)} but not on "
+                f"{ranks_named(others)}, whose call reused a trace of an earlier call (other "
                 "input shapes) or did not call it: what it runs there cannot be compared, "
                 "so this cell's values are not vouched for. Call it with the same input "
                 "shapes on every rank (pad the last batch), or leave the step with the "
@@ -127,7 +129,7 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
     left = sorted({r for r, q in problems if q.get("settled")})
     if left:
         cells = "its cell" if len(left) == 1 else "their cells"
-        who = _ranks(left)
+        who = ranks_named(left)
         return (f"{text}. {who[0].upper()}{who[1:]} had not evaluated them when {cells} ended (an "
                 "error, an interrupt, or outputs left unevaluated), so mlx_nbdist ran them "
                 "then, in the order they were issued, while the other ranks ran other "
@@ -156,8 +158,3 @@ def first_message_mismatch(sent: Mapping[tuple[int, int, int], Message],
                     f"({dt_s} {sh_s}) but {nb_r} expected ({dt_r} {sh_r})")
     return None
 
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {', '.join(map(str, ranks))}"

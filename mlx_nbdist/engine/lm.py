@@ -162,6 +162,16 @@ def _echo(token: int, tokenizer: Any) -> None:
     sys.stdout.flush()
 
 
+def _rows_unlike_rank_0(row: list[int], group: mx.distributed.Group
+                        ) -> tuple[list[list[int]], list[int]]:
+    """Every rank's ``row`` (int32, one length on every rank) gathered, and the ranks
+    whose row is not rank 0's."""
+    with own_collectives():  # a check of ours: not in the rank's totals
+        table = mx.distributed.all_gather(mx.array(row, dtype=mx.int32)[None],
+                                          group=group).tolist()
+    return table, [r for r, got in enumerate(table) if got != table[0]]
+
+
 def _same_request(tokens: mx.array, max_tokens: int, group: mx.distributed.Group) -> None:
     """Raise on every rank, before the model runs, when the ranks were given other
     prompts or ``max_tokens``: their forwards would pair each other's collectives
@@ -171,10 +181,7 @@ def _same_request(tokens: mx.array, max_tokens: int, group: mx.distributed.Group
         return
     digest = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8)
     halves = np.frombuffer(digest.digest(), dtype=np.int32).tolist()
-    mine = mx.array([int(tokens.size), max_tokens, *halves], dtype=mx.int32)[None]
-    with own_collectives():  # a check of ours: not in the rank's totals
-        table = mx.distributed.all_gather(mine, group=group).tolist()
-    differ = [r for r, row in enumerate(table) if row != table[0]]
+    table, differ = _rows_unlike_rank_0([int(tokens.size), max_tokens, *halves], group)
     if differ:
         said = "; ".join(
             f"rank {r}: {row[0]} prompt tokens, max_tokens {row[1]}"
@@ -193,11 +200,8 @@ def _same_on_every_rank(tokens: list[int], max_tokens: int, group: mx.distribute
         return
     # padded to one length on every rank, so the check itself is never a mismatched
     # collective (a rank that stopped early at an end token has fewer)
-    mine = mx.array([len(tokens), *tokens, *[-1] * (max_tokens - len(tokens))],
-                    dtype=mx.int32)[None]
-    with own_collectives():  # a check of ours: not in the rank's totals
-        table = mx.distributed.all_gather(mine, group=group).tolist()
-    differ = [r for r, row in enumerate(table) if row != table[0]]
+    table, differ = _rows_unlike_rank_0(
+        [len(tokens), *tokens, *[-1] * (max_tokens - len(tokens))], group)
     if differ:
         raise RuntimeError(
             f"generate: ranks {differ} produced other tokens than rank 0 ({table[0][1:]} vs "

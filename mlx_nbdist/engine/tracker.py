@@ -506,7 +506,7 @@ class Tracker:
                 if problem:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
-            world = size == tracker.size and id(group) not in tracker._subgroups
+            world = size == tracker.size and id(group) not in tracker._subgroups  # is_world
             traced = bool(getattr(tracker._transforms, "calls", None))  # tracing(), inline
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             # tagged with its position, to prove the ranks ran it together (see .order)
