@@ -13,7 +13,6 @@ directories.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from . import platform, runtime, watchdog
+from . import runtime, watchdog
 from .watchdog import same_process, wait_ended
 
 #: stopped sessions' directories kept by :func:`cleanup` (the newest ones) ...
@@ -64,14 +63,13 @@ def group_members(pgid: int, started: float, marker: str) -> list[tuple[int, flo
     """Processes in process group ``pgid`` started since ``started`` whose command line
     contains ``marker``: what a group leader forked, even after we last looked."""
     out = []
-    for p in psutil.process_iter(["create_time", "cmdline"]):
+    for p in psutil.process_iter(["cmdline"]):
         try:
-            if (
-                os.getpgid(p.pid) == pgid
-                and p.info["create_time"] >= started - 1.0
-                and marker in " ".join(p.info["cmdline"] or [])
-            ):
-                out.append((p.pid, p.info["create_time"]))
+            if os.getpgid(p.pid) != pgid or marker not in " ".join(p.info["cmdline"] or []):
+                continue
+            begun = watchdog.start_time(p.pid)
+            if begun >= started - watchdog.SAME_START:
+                out.append((p.pid, begun))
         except (OSError, psutil.Error):
             pass
     return out
@@ -130,58 +128,34 @@ def end_started_since(before: set[int], wait: float = 5.0,
 
 
 def identity(p: int | psutil.Process) -> tuple[int, float] | None:
-    """``(pid, start time)``: what identifies a process over time; ``None`` if gone."""
+    """``(pid, start time)``: what identifies a process over time (see
+    :func:`watchdog.start_time`); ``None`` if gone."""
+    pid = p.pid if isinstance(p, psutil.Process) else p
     try:
-        proc = p if isinstance(p, psutil.Process) else psutil.Process(p)
-        return (proc.pid, proc.create_time())
+        return (pid, watchdog.start_time(pid))
     except psutil.Error:
         return None
 
 
-def running(p: psutil.Process) -> bool:
-    """The process runs, is not a zombie, and is the process ``p`` was made for (its
-    start time: a PID the system gave to another process is not it).
+def running(ident: tuple[int, float]) -> bool:
+    """The process runs, is not a zombie, and is the one ``ident`` (:func:`identity`)
+    was taken of: a PID the system gave to another process is not it.
 
     Every cell asks this of every local rank before it is sent: on Linux it is one
     read of ``/proc/<pid>/stat`` (psutil reads it twice, 0.2 ms a rank: a third of
     the magic's overhead over ``%%px``); elsewhere, and in portable mode, psutil's.
     """
-    if _use_proc():
-        try:
-            with open(f"/proc/{p.pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return False
-        # after "pid (comm) ": state is field 3, start time (clock ticks) field 22
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if fields[0] == b"Z":
-            return False
-        try:
-            started = int(fields[19]) / _CLOCK_TICKS + _boot_time()
-            return abs(started - p.create_time()) < 0.05
-        except (IndexError, ValueError, psutil.Error):
-            return False
+    return same_process(*ident)
+
+
+def alive(p: psutil.Process) -> bool:
+    """A process another library started and keeps a ``psutil.Process`` of (an
+    ipyparallel launcher's) runs and is not a zombie; psutil tells a reused PID by
+    its own record of the start."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _use_proc() -> bool:
-    return not platform.portable() and _proc_here()
-
-
-@functools.cache
-def _proc_here() -> bool:
-    return platform.has_proc(env={})  # the machine's part, once (portable mode: each time)
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@functools.cache
-def _boot_time() -> float:
-    return psutil.boot_time()
 
 
 def end_pids(pids: list[tuple[int, float]], grace: float = 3.0) -> None:

@@ -40,6 +40,7 @@ sessions whose notebook died without a watchdog.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -89,7 +90,7 @@ LOG = "watchdog.log"
 #: a session id that is safe in a file name pattern (``runtime.new_session_id``)
 _SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-Pids = dict[int, float]  # pid -> start time (psutil's create_time)
+Pids = dict[int, float]  # pid -> start time (start_time)
 _SCRIPT = os.path.abspath(__file__)
 #: runs this file as a script without putting its folder (the package) on sys.path
 _BOOT = "import runpy, sys; del sys.argv[0]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -117,7 +118,7 @@ def start(
     if client_pid is None:
         client_pid = os.getpid()
     if client_started is None:
-        client_started = psutil.Process(client_pid).create_time()
+        client_started = start_time(client_pid)
     cmd = [sys.executable, "-c", _BOOT, _SCRIPT, os.path.abspath(session_dir),
            str(int(client_pid)), repr(float(client_started))]  # fmt: skip
     proc = subprocess.Popen(
@@ -230,13 +231,101 @@ def session_id_of(session_dir: Path, rec: dict[str, Any] | None) -> str:
 
 
 # ---------------------------------------------------------------------- processes
-def same_process(pid: int, started: float) -> bool:
-    """``pid`` is running, is not a zombie, and started at ``started``."""
+#: two readings of one process's :func:`start_time` differ by less than this (the
+#: kernel counts it in clock ticks, 0.01 s)
+SAME_START = 0.05
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def start_time(pid: int) -> float:
+    """When process ``pid`` started, as every process on this machine reads it, at
+    any time: with the PID, what tells a process from a later one on a reused PID.
+    Raises ``psutil.NoSuchProcess`` when no process has that PID.
+
+    On Linux, seconds from boot to the start: psutil's ``create_time`` adds the boot
+    time the kernel reports at the moment of reading (``btime``, whole seconds),
+    which moves by a second when the clock is slewed across one and by any amount
+    when it is stepped. Two readings of one process then differ, and a notebook
+    looked gone to its ranks, which ended the session. Read from ``/proc/<pid>/stat``
+    where we may read ``/proc``, else as psutil's start time less its boot time, read
+    together. Elsewhere (macOS) psutil's ``create_time``, a date the kernel keeps.
+    """
+    if not sys.platform.startswith("linux"):
+        return psutil.Process(pid).create_time()
+    if use_proc():
+        stat = proc_stat(pid)
+        if stat is None:
+            raise psutil.NoSuchProcess(pid)
+        return stat.started
+    boot = psutil.boot_time()
+    for _ in range(3):  # the boot time moved between the readings: again
+        # a new Process: one's create_time is kept from its first reading
+        started = psutil.Process(pid).create_time()
+        again = psutil.boot_time()
+        if again == boot:
+            break
+        boot = again
+    return started - boot
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """What ``/proc/<pid>/stat`` says of a process."""
+
+    state: str  # "R", "S", "Z" (a zombie) ...
+    ppid: int
+    pgrp: int
+    started: float  # seconds from boot (see start_time)
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """One read of ``/proc/<pid>/stat`` (Linux; ``None`` when the process is gone)."""
     try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - started) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # after "pid (comm) ": state is field 3, ppid 4, pgrp 5, start time (ticks) 22
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]),
+                        int(fields[19]) / _CLOCK_TICKS)  # fmt: skip
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def use_proc() -> bool:
+    """We may read ``/proc`` (Linux, not portable mode): one read there answers what
+    psutil answers with several."""
+    return not platform.portable() and _proc_here()
+
+
+@functools.cache
+def _proc_here() -> bool:
+    return platform.has_proc(env={})  # the machine's part, once (portable mode: each time)
+
+
+def _live_start(pid: int) -> float | None:
+    """:func:`start_time` of process ``pid`` when it runs and is not a zombie, else
+    ``None`` (``psutil.AccessDenied`` passes: the system will not tell)."""
+    if use_proc():
+        stat = proc_stat(pid)
+        return None if stat is None or stat.state == "Z" else stat.started
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return None
+        return start_time(pid)
+    except psutil.AccessDenied:
+        raise
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: int, started: float) -> bool:
+    """``pid`` is running, is not a zombie, and started at ``started``: one read of
+    ``/proc/<pid>/stat`` where we may (every cell asks it of every local rank)."""
+    try:
+        now = _live_start(pid)
     except psutil.Error:
         return False
+    return now is not None and abs(now - started) < SAME_START
 
 
 def client_alive(pid: int, started: float) -> bool:
@@ -245,12 +334,10 @@ def client_alive(pid: int, started: float) -> bool:
     if pid <= 0:
         return False
     try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - started) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.AccessDenied:
+        now = _live_start(pid)
+    except psutil.Error:  # AccessDenied
         return True
-    except psutil.Error:
-        return False
+    return now is not None and abs(now - started) < SAME_START
 
 
 def related(known: Pids, leaders: set[int]) -> Pids:
@@ -265,15 +352,17 @@ def related(known: Pids, leaders: set[int]) -> Pids:
     and a known PID now held by another process (another start time) is skipped.
     """
     table: dict[int, tuple[int, float, int]] = {}  # pid -> ppid, started, pgid
-    for p in psutil.process_iter(["ppid", "create_time"]):
-        ppid, started = p.info["ppid"], p.info["create_time"]
-        if ppid is None or started is None:  # a zombie or another user's (macOS)
+    for p in psutil.process_iter(["ppid"]):
+        ppid = p.info["ppid"]
+        if ppid is None:  # a zombie or another user's (macOS)
             continue
         try:
-            table[p.pid] = (ppid, started, os.getpgid(p.pid))
+            table[p.pid] = (ppid, start_time(p.pid), os.getpgid(p.pid))
         except (OSError, psutil.Error):
             continue
-    running = [pid for pid, t in known.items() if pid in table and abs(table[pid][1] - t) < 1.0]
+    running = [
+        pid for pid, t in known.items() if pid in table and abs(table[pid][1] - t) < SAME_START
+    ]
     leaders.update(pid for pid in running if table[pid][2] == pid)
     groups = {pgid for _ppid, _t, pgid in table.values()}
     for pid in list(leaders):
@@ -291,7 +380,7 @@ def related(known: Pids, leaders: set[int]) -> Pids:
                 out[child] = table[child][1]
                 todo.append(child)
     for pid, (_ppid, started, pgid) in table.items():
-        if pgid in leaders and pid not in skip and started >= known[pgid] - 1.0:
+        if pgid in leaders and pid not in skip and started >= known[pgid] - SAME_START:
             out.setdefault(pid, started)
     return out
 
@@ -303,10 +392,9 @@ def kill(pids: Pids, sig: int = signal.SIGKILL) -> list[int]:
         if pid in (0, 1, os.getpid()):
             continue
         try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) >= 1.0 or p.status() == psutil.STATUS_ZOMBIE:
+            if not same_process(pid, started):
                 continue
-            p.send_signal(sig)
+            psutil.Process(pid).send_signal(sig)
             hit.append(pid)
         except psutil.Error:
             continue
@@ -488,14 +576,11 @@ class Watchdog:
     def __init__(self, session_dir: Path, client_pid: int, client_started: float):
         self.dir = session_dir
         try:
-            client = psutil.Process(client_pid)
-            seen = client.create_time()
+            seen = start_time(client_pid)
         except psutil.Error as e:
             raise OSError(f"the notebook's process {client_pid} is not running") from e
-        if abs(seen - client_started) >= 1.0:
+        if abs(seen - client_started) >= SAME_START:
             raise OSError(f"process {client_pid} is not the notebook (another start time)")
-        # from here on this process's own reading of the start time: a clock step
-        # between the notebook's and this reading must not make a live notebook "gone"
         self.client_pid, self.client_started = client_pid, seen
         self.known: Pids = {}
         self.leaders: set[int] = set()

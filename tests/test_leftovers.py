@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from mlx_nbdist import Session, platform, processes, runtime
+from mlx_nbdist import Session, platform, processes, runtime, watchdog
 
 from .conftest import is_ours, listening_ports, wait_gone
 
@@ -89,7 +89,7 @@ def guard(s):
     pid = getattr(s, "_watchdog", None)
     if pid is None and watchdog is not None:
         me = psutil.Process()
-        pid = watchdog.start(s.directory, me.pid, me.create_time())
+        pid = watchdog.start(s.directory, me.pid, watchdog.start_time(me.pid))
     return pid
 
 
@@ -117,7 +117,7 @@ class Client:
         self.directory = Path(self.info["dir"])
         wd = self.info.get("watchdog")
         if wd:
-            self.pairs.append((wd, psutil.Process(wd).create_time()))
+            self.pairs.append((wd, watchdog.start_time(wd)))
 
     def kill(self) -> None:
         self.proc.kill()
@@ -273,7 +273,7 @@ def _sleeper(with_child: bool = False) -> subprocess.Popen:
 
 
 def _started(pid: int) -> float:
-    return psutil.Process(pid).create_time()
+    return watchdog.start_time(pid)
 
 
 def _record(d: Path, sid: str, client: int, client_started: float, pids: list, state: str = "ready") -> None:
@@ -338,14 +338,14 @@ def test_watchdog_leaves_when_its_session_is_stopped_or_over(tmp_path) -> None:
     try:
         def start(worker: subprocess.Popen) -> tuple[Path, int]:
             sid = _sid()
-            _record(tmp_path / sid, sid, me.pid, me.create_time(), [[worker.pid, _started(worker.pid)]])
+            _record(tmp_path / sid, sid, me.pid, _started(me.pid), [[worker.pid, _started(worker.pid)]])
             return tmp_path / sid, watchdog.start(tmp_path / sid)
 
         # the record says stopped (Session.stop ended everything): it leaves, touching nothing
         d, wd = start(workers[0])
         time.sleep(1.0)
         assert psutil.pid_exists(wd)
-        _record(d, d.name, me.pid, me.create_time(), [], state="stopped")
+        _record(d, d.name, me.pid, _started(me.pid), [], state="stopped")
         assert wait_gone([wd], timeout=3) == []
         assert workers[0].poll() is None
         # every process it watched exited and left no files: it leaves
@@ -377,7 +377,7 @@ def test_watchdog_will_not_start_for_a_process_that_is_not_the_notebook(tmp_path
 
     me = psutil.Process()
     with pytest.raises(OSError, match="not the notebook"):
-        watchdog.start(tmp_path, me.pid, me.create_time() - 50)
+        watchdog.start(tmp_path, me.pid, _started(me.pid) - 50)
 
 
 def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None:
@@ -403,7 +403,7 @@ def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None
         # a live session (this process is its notebook) that started two days ago
         live = _sid()
         me = psutil.Process()
-        _record(root / live, live, me.pid, me.create_time(), [[bystander.pid, _started(bystander.pid)]])
+        _record(root / live, live, me.pid, _started(me.pid), [[bystander.pid, _started(bystander.pid)]])
         # stopped sessions: 22 recent ones and 2 of two days ago; and a folder of the user's
         old = time.time() - 2 * 86400
         base = _sid()[:-2]
@@ -499,32 +499,68 @@ def test_cleanup_without_dev_shm_skips_segments_silently(tmp_path, monkeypatch) 
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _procfs_with_boot_time_moved(folder: Path, seconds: int) -> Path:
+    """A procfs for psutil (``psutil.PROCFS_PATH``) that is the machine's, except that
+    the kernel reports its boot time ``seconds`` later: what a clock slewed or stepped
+    across a second does to ``btime`` (psutil adds it to every start time it reads)."""
+    for entry in os.listdir("/proc"):
+        if entry != "stat":
+            (folder / entry).symlink_to(f"/proc/{entry}")
+    lines = Path("/proc/stat").read_text().splitlines()
+    moved = [f"btime {int(x.split()[1]) + seconds}" if x.startswith("btime ") else x for x in lines]
+    (folder / "stat").write_text("\n".join(moved) + "\n")
+    return folder
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs: Linux")
+@pytest.mark.parametrize("portable", [False, True])
+def test_processes_are_known_after_the_clock_moves_the_boot_time(
+    portable: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI saw every engine end itself, and the controller ended, mid-run: the clock
+    moved /proc/stat's btime by a second, and every start time psutil read after that
+    differed by a second from the notebook's, read before, so the ranks took the
+    notebook for gone. A process's identity must not depend on the clock."""
+    monkeypatch.setenv("MLX_NBDIST_PORTABLE", "1" if portable else "0")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ident = processes.identity(child.pid)
+        me = processes.identity(os.getpid())
+        assert ident is not None and me is not None
+        before = psutil.Process(child.pid).create_time()
+        monkeypatch.setattr(psutil, "PROCFS_PATH", str(_procfs_with_boot_time_moved(tmp_path, 1)))
+        # the control: psutil's own start time moved with the boot time
+        assert psutil.Process(child.pid).create_time() == pytest.approx(before + 1, abs=0.02)
+        assert processes.identity(child.pid) == (child.pid, pytest.approx(ident[1], abs=0.02))
+        assert processes.running(ident) and watchdog.same_process(*ident)
+        assert watchdog.client_alive(*me)  # what every rank asks of the notebook
+        assert child.pid in watchdog.related({os.getpid(): me[1]}, set())
+        assert watchdog.kill(dict([ident]), signal.SIGTERM) == [child.pid]  # still ours to end
+        assert child.wait(10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("portable", [False, True])
 def test_running_tells_a_live_process_a_zombie_and_a_reused_pid(
     portable: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import subprocess
-    import sys
-
-    from mlx_nbdist import processes
-
     monkeypatch.setenv("MLX_NBDIST_PORTABLE", "1" if portable else "0")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        p = psutil.Process(child.pid)
-        assert processes.running(p)
-        if not portable:  # (psutil's own check there, by its private start time)
-            # the same PID, another start time: a process the system gave it to later
-            other = psutil.Process(child.pid)
-            monkeypatch.setattr(other, "create_time", lambda: p.create_time() - 5.0)
-            assert not processes.running(other)
+        ident = processes.identity(child.pid)
+        assert ident is not None and processes.running(ident)
+        # the same PID, another start time: a process the system gave it to later
+        assert not processes.running((child.pid, ident[1] - 5.0))
         child.kill()
+        p = psutil.Process(child.pid)
         t_end = time.monotonic() + 10
         while p.status() != psutil.STATUS_ZOMBIE:  # not reaped yet: a zombie
             assert time.monotonic() < t_end
             time.sleep(0.01)
-        assert not processes.running(p)
+        assert not processes.running(ident)
     finally:
         child.kill()
         child.wait()
-    assert not processes.running(p)  # reaped: gone
+    assert not processes.running(ident)  # reaped: gone

@@ -203,7 +203,7 @@ def test_the_watchdog_script_removes_registered_segments(tmp_path: Path) -> None
     try:
         d = tmp_path / sid
         d.mkdir()
-        started = psutil.Process(notebook.pid).create_time()
+        started = watchdog.start_time(notebook.pid)
         (d / "session.json").write_text(json.dumps(
             {"session_id": sid, "client_pid": notebook.pid, "client_started": started,
              "state": "ready", "pids": []}))

@@ -181,9 +181,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
     import subprocess
     import sys
 
-    import psutil
-
-    from mlx_nbdist import runtime
+    from mlx_nbdist import runtime, watchdog
     from mlx_nbdist.processes import cleanup
 
     monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
@@ -192,7 +190,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        started = psutil.Process(orphan.pid).create_time()
+        started = watchdog.start_time(orphan.pid)
         d = runtime.session_dir("dead-session")
         (d / "session.json").write_text(json.dumps({
             "session_id": "dead-session", "client_pid": dead_client.pid, "client_started": 1.0,

@@ -58,11 +58,9 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
         ``gpus`` (0 unless asked) and ``cuda_visible`` (this engine's
         ``CUDA_VISIBLE_DEVICES``, ``None`` when unset).
     """
-    import psutil
-
     from ..hosts import local_addresses, route_address
+    from ..watchdog import start_time
 
-    me = psutil.Process()
     addresses = local_addresses()
     route = ""
     if cfg.get("controller_ip"):
@@ -76,7 +74,7 @@ def probe(cfg: dict[str, Any]) -> dict[str, Any]:
         shared = False
     return {
         "pid": os.getpid(),
-        "started": me.create_time(),
+        "started": start_time(os.getpid()),
         "hostname": socket.gethostname(),
         "machine": machine_id(),
         "addresses": addresses,
@@ -118,14 +116,9 @@ def machine_id() -> str:
 
 
 def _same_process(pid: int, started: Any) -> bool:
-    import psutil
+    from ..watchdog import same_process
 
-    if pid <= 0 or started is None:
-        return False
-    try:
-        return abs(psutil.Process(pid).create_time() - float(started)) < 1.0
-    except psutil.Error:
-        return False
+    return pid > 0 and started is not None and same_process(pid, float(started))
 
 
 def free_ports(ips: list[str]) -> list[int]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .. import config
+from .. import config, watchdog
 from . import dtypes
 
 if TYPE_CHECKING:
@@ -284,16 +284,8 @@ class Monitor:
                 pass
 
     def _client_alive(self) -> bool:
-        try:
-            p = psutil.Process(self.client_pid)
-            return (
-                abs(p.create_time() - self.client_started) < 1.0
-                and p.is_running()
-                # a killed client whose parent has not reaped it yet is gone too
-                and p.status() != psutil.STATUS_ZOMBIE
-            )
-        except psutil.Error:
-            return False
+        # a killed client whose parent has not reaped it yet is gone too
+        return watchdog.client_alive(self.client_pid, self.client_started)
 
     def _reap_and_exit(self) -> None:
         for pid in self.reap_pids:

@@ -9,14 +9,13 @@ is defensive.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from .. import config, processes, runtime, watchdog
 from ..config import Backend
@@ -59,7 +58,8 @@ class Cluster:
         self.ipp: Any = None  # the ipyparallel Cluster
         self.client: Any = None
         #: the controller and its schedulers, watched while cells run
-        self.infra: dict[str, psutil.Process] = {}
+        #: the controller and its schedulers: what -> (pid, start time)
+        self.infra: dict[str, tuple[int, float]] = {}
         self._infra_ok_at = float("-inf")  # when infrastructure_problem last found none
         self.watchdog: int | None = None  # its PID (see mlx_nbdist.watchdog)
         #: what each engine said of itself (:func:`formation.probe`), once :meth:`warm` ran
@@ -201,12 +201,12 @@ class Cluster:
                     continue
                 for lnch in list(sets.values()):
                     proc = getattr(lnch, "process", None)
-                    if proc is not None and not processes.running(proc):
+                    if proc is not None and not processes.alive(proc):
                         code = describe_exit(self.exit_of(proc.pid))
                         out.append(f"engine pid {proc.pid}" + (f" {code}" if code else ""))
                 continue
             proc = getattr(es, "process", None)  # one launcher process: mpirun
-            if proc is not None and not processes.running(proc):
+            if proc is not None and not processes.alive(proc):
                 out.append(f"{self.launcher.name} launcher's process (pid {proc.pid})")
             elif not es.running and getattr(es, "state", "") == "after":
                 out.append("engine set stopped")
@@ -254,11 +254,10 @@ class Cluster:
         """The record the watchdog and ``%mlxdist cleanup`` read: whose this cluster
         is, its processes (``pids``) and the ranks on other machines (``remote``:
         rank -> ``[host, pid]``, which cleanup cannot end from here)."""
-        me = psutil.Process()
         rec = {
             "session_id": self.session_id,
-            "client_pid": me.pid,
-            "client_started": me.create_time(),
+            "client_pid": os.getpid(),
+            "client_started": watchdog.start_time(os.getpid()),
             "n": n,
             "backend": str(backend),
             "launcher": launcher,
@@ -279,15 +278,13 @@ class Cluster:
         still run, and stop ends them even if the controller died first."""
         self.infra = {}
         cpid = self.controller_pid()
-        try:
-            controller = psutil.Process(cpid) if cpid else None
-        except psutil.Error:
-            controller = None
+        controller = processes.identity(cpid) if cpid else None
         if controller is None:
             return
         self.infra["controller"] = controller
-        for i, child in enumerate(controller.children(recursive=True)):
-            self.infra[f"controller's scheduler #{i + 1}"] = child
+        for i, pid in enumerate(processes.children(cpid)):
+            if (child := processes.identity(pid)) is not None:
+                self.infra[f"controller's scheduler #{i + 1}"] = child
 
     def infrastructure_problem(self) -> str:
         """Why results can no longer reach the notebook: the controller or one of its
@@ -301,10 +298,11 @@ class Cluster:
         now = time.monotonic()
         if now - self._infra_ok_at < config.Policy.alive_every:
             return ""
-        for what, p in self.infra.items():
-            if processes.running(p):
+        for what, ident in self.infra.items():
+            if processes.running(ident):
                 continue
-            return f"the ipyparallel {what} (pid {p.pid}) exited; results cannot reach the notebook"
+            return (f"the ipyparallel {what} (pid {ident[0]}) exited; results cannot reach "
+                    "the notebook")  # fmt: skip
         self._infra_ok_at = now
         return ""
 
@@ -329,7 +327,7 @@ class Cluster:
                 p = getattr(getattr(es, "process", None), "pid", None)
                 if p:
                     pids.append(p)
-        out = [processes.identity(p) for p in self.infra.values() if processes.running(p)]
+        out = [ident for ident in self.infra.values() if processes.running(ident)]
         out += [ident for pid in dict.fromkeys(pids) if (ident := processes.identity(pid))]
         return list(dict.fromkeys(x for x in out if x))
 

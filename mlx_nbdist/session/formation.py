@@ -15,12 +15,11 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import psutil
 
 from .. import hosts, processes, runtime
 from ..config import Backend
@@ -83,7 +82,7 @@ def form_group(
             f"only {len(ids)} of {n} engines are registered (one exited?){cluster.hosts_note()}"
         )
     t_end = time.monotonic() + timeout
-    me = psutil.Process()
+    me = processes.identity(os.getpid()) or (os.getpid(), 0.0)  # the notebook
     probes = cluster.probes  # a spare cluster's engines answered while it warmed
     if sorted(probes) != ids:
         probes = probe(cluster, ids, t_end, gpus=backend == Backend.NCCL)
@@ -132,8 +131,8 @@ def form_group(
         token=secrets.randbelow(2**31 - 1),
         session_id=cluster.session_id,
         session_dir=str(cluster.directory),
-        client_pid=me.pid,
-        client_started=me.create_time(),
+        client_pid=me[0],
+        client_started=me[1],
     )
     ars = {
         r: client[eid].apply_async(
@@ -187,14 +186,14 @@ def probe(
 ) -> dict[int, dict[str, Any]]:
     """Step 1: ask every engine who and where it is (and, ``gpus``, how many GPUs
     its host has)."""
-    me = psutil.Process()
+    me = processes.identity(os.getpid()) or (os.getpid(), 0.0)  # the notebook
     nonce = secrets.token_hex(16)
     runtime.write_private(cluster.directory / "probe", nonce)
     cfg = dict(
         session_dir=str(cluster.directory),
         nonce=nonce,
-        client_pid=me.pid,
-        client_started=me.create_time(),
+        client_pid=me[0],
+        client_started=me[1],
         controller_ip=(
             cluster.controller_ip
             if cluster.controller_ip != "0.0.0.0"

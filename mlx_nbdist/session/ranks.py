@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from .. import config, processes
+from .. import config, processes, watchdog
 from ..engine import rpc
 from ..errors import StartError
 from ..outcomes import short_error
@@ -35,17 +35,18 @@ class RankGroup:
         self.cluster = cluster
         self.ranks: dict[int, RankInfo] = formed.ranks
         self.places: dict[int, RankPlace] = formed.places
-        self.procs: dict[int, psutil.Process] = {}
+        #: the local ranks' processes: rank -> (pid, start time), processes.identity
+        self.procs: dict[int, tuple[int, float]] = {}
         #: each cell the group ran, by cell number: its name (``In [7]``) and source;
         #: stacks name their frames from it
         self.sources: dict[int, tuple[str, str]] = {}
         for r, info in self.ranks.items():
             if not self.places[r].local:
                 continue
-            try:
-                self.procs[r] = psutil.Process(info.pid)
-            except psutil.Error as e:
-                raise StartError(f"rank {r} (pid {info.pid}) exited right after joining") from e
+            ident = processes.identity(info.pid)
+            if ident is None:
+                raise StartError(f"rank {r} (pid {info.pid}) exited right after joining")
+            self.procs[r] = ident
 
     @property
     def directory(self) -> Path:
@@ -56,15 +57,15 @@ class RankGroup:
         return self.cluster.client[self.ranks[rank].engine_id]
 
     def local_pids(self) -> list[int]:
-        return [p.pid for p in self.procs.values()]
+        return [pid for pid, _started in self.procs.values()]
 
     # -- liveness -----------------------------------------------------------------
     def rank_alive(self, rank: int) -> bool:
         """A local rank: its process runs. A remote one: its engine is still registered
         with the controller (ipyparallel drops an engine whose heartbeat stops)."""
-        p = self.procs.get(rank)
-        if p is not None:
-            return processes.running(p)
+        ident = self.procs.get(rank)
+        if ident is not None:
+            return processes.running(ident)
         place = self.places.get(rank)
         client = self.cluster.client
         if place is None or place.local or client is None or rank not in self.ranks:
@@ -76,9 +77,11 @@ class RankGroup:
 
     def rank_paused(self, rank: int) -> bool:
         """Its process is stopped (SIGSTOP, a debugger): alive, but runs nothing."""
-        p = self.procs.get(rank)
+        ident = self.procs.get(rank)
+        if ident is None or not processes.running(ident):
+            return False
         try:
-            return p is not None and p.status() in (psutil.STATUS_STOPPED, "tracing-stop")
+            return psutil.Process(ident[0]).status() in (psutil.STATUS_STOPPED, "tracing-stop")
         except psutil.Error:
             return False
 
@@ -119,15 +122,12 @@ class RankGroup:
         waited for at most 5 s."""
         remote: dict[int, tuple[str, int]] = {}
         for r in ranks:
-            p = self.procs.get(r)
-            if p is None:
+            ident = self.procs.get(r)
+            if ident is None:
                 if r in self.ranks:
                     remote[r] = (self.places[r].host, self.ranks[r].pid)
                 continue
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
+            watchdog.kill(dict([ident]), sig)
         if remote and not local_only:
             _run_all(self.cluster.remote_signals(remote, sig), wait=5.0)
 
