@@ -115,15 +115,22 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
     rank, p = problems[0]
     what = describe(signature(p["op"], p["shape"], p["dtype"]))
     withs = p.get("with") or {}
+    group = p.get("group")
+    if group:  # its ranks name the partners (the world ranks of theirs are not known)
+        over = (f" over the subgroup of {group['size']} ranks that Group.split call "
+                f"{group['split']} made on rank {rank}")
+        me, its = f"its rank {group['rank']} (rank {rank})", "its rank"
+    else:
+        over, me, its = "", f"rank {rank}", "rank"
     if p["op"] in P2P:
         src, got = p["peer"], withs.get(str(p["peer"]))
-        read = f"rank {src}'s message {got}" if got else f"another message of rank {src}"
-        text = f"message {p['n']} from rank {src} to rank {rank} ({what}) read {read}"
+        read = f"{its} {src}'s message {got}" if got else f"another message of {its} {src}"
+        text = f"message {p['n']}{over} from {its} {src} to {me} ({what}) read {read}"
     else:
-        known = [f"collective {n} of rank {r}" for r, n in withs.items() if n]
+        known = [f"collective {n} of {its} {r}" for r, n in withs.items() if n]
         partner = " and ".join(known) if known else "another collective on another rank"
-        text = (f"collective {p['n']} of this cell ({what}) ran on rank {rank} together "
-                f"with {partner}")
+        text = (f"collective {p['n']}{over or ' of this cell'} ({what}) ran on {me} "
+                f"together with {partner}")
     if not issued_alike:  # the cause is said already; which ran with which is the fact
         return f"{text}."
     left = sorted({r for r, q in problems if q.get("settled")})

@@ -356,5 +356,13 @@ def _mtime(p: Path) -> float:
 
 
 def _client_alive(rec: dict[str, Any]) -> bool:
-    """The session's notebook runs (a zombie notebook is dead)."""
-    return watchdog.client_alive(int(rec.get("client_pid", 0)), float(rec.get("client_started", 0)))
+    """The session's notebook runs (a zombie notebook is dead). A record of an older
+    mlx_nbdist holds start times of another clock: its notebook counts as running
+    while its PID does, so that a session still in use is never taken apart."""
+    pid = int(rec.get("client_pid", 0))
+    if rec.get("clock") != watchdog.CLOCK:
+        try:
+            return pid > 0 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    return watchdog.client_alive(pid, float(rec.get("client_started", 0)))

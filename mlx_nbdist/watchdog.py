@@ -35,7 +35,10 @@ in portable mode it looks at no ``/dev/shm`` path and removes the POSIX segments
 registries name (``shm_unlink``), which cannot be listed there.
 
 :func:`mlx_nbdist.processes.cleanup` uses the same functions (:func:`reap`) for
-sessions whose notebook died without a watchdog.
+sessions whose notebook died without a watchdog. Every check of a process by PID and
+start time, here and in the package, takes the start time from :func:`start_time`
+(the kernel's value, unchanged by the clock); :func:`_psutil_start` is the one
+adapter over a psutil private, with the reason.
 """
 
 from __future__ import annotations
@@ -234,6 +237,9 @@ def session_id_of(session_dir: Path, rec: dict[str, Any] | None) -> str:
 #: two readings of one process's :func:`start_time` differ by less than this (the
 #: kernel counts it in clock ticks, 0.01 s)
 SAME_START = 0.05
+#: a session record's ``"clock"``: its start times are :func:`start_time`'s (records
+#: without it, of an older mlx_nbdist, hold psutil's ``create_time``)
+CLOCK = "start_time"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -242,21 +248,39 @@ def start_time(pid: int) -> float:
     any time: with the PID, what tells a process from a later one on a reused PID.
     Raises ``psutil.NoSuchProcess`` when no process has that PID.
 
-    On Linux, seconds from boot to the start: psutil's ``create_time`` adds the boot
-    time the kernel reports at the moment of reading (``btime``, whole seconds),
-    which moves by a second when the clock is slewed across one and by any amount
-    when it is stepped. Two readings of one process then differ, and a notebook
-    looked gone to its ranks, which ended the session. Read from ``/proc/<pid>/stat``
-    where we may read ``/proc``, else as psutil's start time less its boot time, read
-    together. Elsewhere (macOS) psutil's ``create_time``, a date the kernel keeps.
+    The kernel's value, unchanged by the clock: seconds from boot on Linux (one read
+    of ``/proc/<pid>/stat`` where we may read ``/proc``), a date on macOS. psutil's
+    public ``create_time`` changes it by the clock: on Linux it adds the boot time the
+    kernel reports at the moment of reading (``btime``, whole seconds, which moves by
+    a second when the clock is slewed across one, and by any amount when it is
+    stepped); on macOS (psutil 7) it corrects by the boot time this process read
+    when it imported psutil. Two readings then differ, and a notebook looked gone to
+    its ranks, which ended the session (CI saw it).
     """
-    if not sys.platform.startswith("linux"):
-        return psutil.Process(pid).create_time()
     if use_proc():
         stat = proc_stat(pid)
         if stat is None:
             raise psutil.NoSuchProcess(pid)
         return stat.started
+    return _psutil_start(pid)
+
+
+def _psutil_start(pid: int) -> float:
+    """psutil's reading of :func:`start_time`.
+
+    The one use of a psutil private: its per-platform ``create_time(monotonic=True)``
+    (psutil 7.2; Linux, macOS), the kernel's value as it is, on which psutil keys its
+    own identity of a process (``Process._get_ident``). Older psutil: on Linux its
+    start time less its boot time, read together; elsewhere ``create_time``, which
+    corrected nothing before psutil 7.
+    """
+    proc = psutil.Process(pid)
+    try:
+        return float(proc._proc.create_time(monotonic=True))
+    except (TypeError, AttributeError):  # psutil < 7.2: no such argument
+        pass
+    if not sys.platform.startswith("linux"):
+        return proc.create_time()
     boot = psutil.boot_time()
     for _ in range(3):  # the boot time moved between the readings: again
         # a new Process: one's create_time is kept from its first reading

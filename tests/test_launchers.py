@@ -86,6 +86,49 @@ def test_mpi_two_ranks_with_mpi4py_and_failure_drain() -> None:
         assert r.stdout(0).strip().split(maxsplit=3) == ["0", "1", "3.0", "[7.0, 8.0]"], r.stdout(0)
         assert r.stdout(1).split() == ["1", "0", "3.0", "None"], r.stdout(1)
         assert s.state == "ready"
+        # both send, then both receive: sends and receives are counted apart (a review:
+        # one count for both failed this correct exchange)
+        r = s.run("peer = 1 - sub.rank()\n"
+                  "mx.eval(mx.distributed.send(mx.array([rank + 1.0]), peer, group=sub))\n"
+                  "print(mx.distributed.recv((1,), mx.float32, peer, group=sub).item())")
+        assert [r.stdout(k).strip() for k in (0, 1)] == ["2.0", "1.0"]
+        # messages sent by a compiled function, its trace reused: counted on every call
+        r = s.run("f = mx.compile(lambda i: mx.distributed.send(\n"
+                  "    mx.array([1.0, 2.0]) + 10 * i, 1, group=sub))\n"
+                  "for i in range(4):\n"
+                  "    if sub.rank() == 1:\n"
+                  "        print(mx.distributed.recv((2,), mx.float32, 0, group=sub).tolist())\n"
+                  "    elif i < 3:\n"
+                  "        mx.eval(f(mx.array(i)))\n"
+                  "    else:\n"
+                  "        mx.eval(mx.distributed.send(mx.array([9.0, 9.0]), 1, group=sub))\n")
+        assert r.stdout(0).split("\n")[:4] == [
+            "[1.0, 2.0]", "[11.0, 12.0]", "[21.0, 22.0]", "[9.0, 9.0]"], r.stdout(0)
+        # over that subgroup, two sums run in another order on each rank: MLX pairs them
+        # as they run and returns wrong values (the cell passed: subgroups had no tags)
+        with pytest.raises(CellError) as info:
+            s.run("a = mx.distributed.all_sum(mx.array([1.0, 2.0]) * (rank + 1), group=sub)\n"
+                  "b = mx.distributed.all_sum(mx.array([5.0, 6.0]) * (rank + 1), group=sub)\n"
+                  "for x in ((a, b) if rank == 0 else (b, a)):\n"
+                  "    mx.eval(x)\n")
+        assert ("collective 1 over the subgroup of 2 ranks that Group.split call 1 made on "
+                "rank 0 (all_sum shape=(2,) dtype=float32) ran on its rank 1 (rank 0) together "
+                "with collective 2 of its rank 0") in str(info.value), str(info.value)
+        assert s.state == "ready"
+        # two messages over it, received in the other order
+        with pytest.raises(CellError) as info:
+            s.run("if sub.rank() == 0:\n"
+                  "    for v in (1.0, 2.0):\n"
+                  "        mx.eval(mx.distributed.send(mx.array([v, v]), 1, group=sub))\n"
+                  "else:\n"
+                  "    r1 = mx.distributed.recv((2,), mx.float32, 0, group=sub)\n"
+                  "    r2 = mx.distributed.recv((2,), mx.float32, 0, group=sub)\n"
+                  "    mx.eval(r2)\n"
+                  "    mx.eval(r1)\n")
+        assert ("message 1 over the subgroup of 2 ranks that Group.split call 1 made on rank 0 "
+                "from its rank 0 to its rank 1 (rank 0) (recv shape=(2,) dtype=float32) read "
+                "its rank 0's message 2") in str(info.value), str(info.value)
+        assert s.state == "ready"
         # a message to no rank, refused and caught: MLX refuses it as it is issued, after
         # it was counted, and the next drop broke the group (a re-trial: KeyError: 5)
         s.run("try:\n    mx.distributed.send(mx.ones(2), 5, group=world)\n"

@@ -280,7 +280,7 @@ def _record(d: Path, sid: str, client: int, client_started: float, pids: list, s
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     (d / "session.json").write_text(json.dumps({
         "session_id": sid, "client_pid": client, "client_started": client_started,
-        "state": state, "pids": pids,
+        "clock": watchdog.CLOCK, "state": state, "pids": pids,
     }))
 
 
@@ -378,6 +378,31 @@ def test_watchdog_will_not_start_for_a_process_that_is_not_the_notebook(tmp_path
     me = psutil.Process()
     with pytest.raises(OSError, match="not the notebook"):
         watchdog.start(tmp_path, me.pid, _started(me.pid) - 50)
+
+
+def test_cleanup_leaves_an_older_versions_session_alone_while_its_notebook_runs(
+    tmp_path, monkeypatch
+) -> None:
+    """Records of an mlx_nbdist before start_time hold psutil's create_time: read with
+    today's clock its notebook would look gone, and cleanup would take apart a session
+    in use (its segments, its rank folders, its record)."""
+    monkeypatch.setenv("MLX_NBDIST_RUNTIME", str(tmp_path))
+    sid = _sid()
+    d = runtime.runtime_root() / sid
+    d.mkdir(mode=0o700)
+    (d / "session.json").write_text(json.dumps({
+        "session_id": sid, "client_pid": os.getpid(),
+        "client_started": psutil.Process().create_time(), "state": "ready", "pids": []}))
+    assert not any(sid in line for line in processes.cleanup())
+    assert json.loads((d / "session.json").read_text())["state"] == "ready"
+    # its notebook gone: cleaned up as before
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (d / "session.json").write_text(json.dumps({
+        "session_id": sid, "client_pid": gone.pid, "client_started": 1.0, "state": "ready",
+        "pids": []}))
+    processes.cleanup()
+    assert json.loads((d / "session.json").read_text())["state"] == "stopped"
 
 
 def test_cleanup_removes_what_a_dead_session_left(tmp_path, monkeypatch) -> None:

@@ -142,6 +142,29 @@ def test_the_lowest_ranks_first_problem_is_described() -> None:
     assert first_order_problem({}) is None
 
 
+def test_a_subgroups_collective_is_named_by_its_group_and_the_groups_ranks() -> None:
+    """Over a group ``world.split`` made, positions count in that group and partners
+    are its ranks (their world ranks are not known to the rank that reads the tag)."""
+    t = tag("all_sum", 2)
+    # world rank 0 is the group's rank 1 (split(0, 1 - rank)); its partner ran position 1
+    t.place = (12345, 1, 1, 2)
+    found = t.problem([1, 1, 0, 0], 0, issued=2)
+    assert found is not None and found["with"] == {"0": 1} and found["n"] == 2
+    assert found["group"] == {"split": 1, "rank": 1, "size": 2}
+    text = first_order_problem({0: [found]})
+    assert text is not None and text.startswith(
+        "collective 2 over the subgroup of 2 ranks that Group.split call 1 made on rank 0 "
+        "(all_sum shape=(4,) dtype=float32) ran on its rank 1 (rank 0) together with "
+        "collective 1 of its rank 0. "), text
+    msg = tag("recv", 1, peer=1)
+    msg.place = (12345, 2, 0, 1)
+    text = first_order_problem({1: [msg.problem([1, 0], 1, issued=2)]})
+    assert text is not None and text.startswith(
+        "message 1 over the subgroup of 2 ranks that Group.split call 2 made on rank 1 from "
+        "its rank 1 to its rank 0 (rank 1) (recv shape=(4,) dtype=float32) read its rank 1's "
+        "message 2. "), text
+
+
 def test_collectives_run_at_a_cells_end_are_blamed_on_that_end_not_on_mx_eval() -> None:
     """A rank that raised before evaluating two collectives has them run in issue order
     when its cell ends; its peer's mx.eval(a, b) ran b first."""

@@ -205,7 +205,7 @@ def test_the_watchdog_script_removes_registered_segments(tmp_path: Path) -> None
         d.mkdir()
         started = watchdog.start_time(notebook.pid)
         (d / "session.json").write_text(json.dumps(
-            {"session_id": sid, "client_pid": notebook.pid, "client_started": started,
+            {"session_id": sid, "client_pid": notebook.pid, "client_started": started, "clock": watchdog.CLOCK,
              "state": "ready", "pids": []}))
         assert watchdog.registries(sid) == [reg] and watchdog.leftovers(sid)
         wd = watchdog.start(d, notebook.pid, started)

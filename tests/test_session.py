@@ -193,7 +193,7 @@ def test_cleanup_ends_only_recorded_processes_of_dead_sessions(tmp_path, monkeyp
         started = watchdog.start_time(orphan.pid)
         d = runtime.session_dir("dead-session")
         (d / "session.json").write_text(json.dumps({
-            "session_id": "dead-session", "client_pid": dead_client.pid, "client_started": 1.0,
+            "session_id": "dead-session", "client_pid": dead_client.pid, "client_started": 1.0, "clock": watchdog.CLOCK,
             "state": "ready",
             # the bystander is recorded with a wrong start time: a reused PID, not ours
             "pids": [[orphan.pid, started], [bystander.pid, started - 1000.0]],

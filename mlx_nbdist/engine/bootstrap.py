@@ -169,8 +169,9 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
             removed after MLX read it: jaccl's ``MLX_IBV_DEVICES``),
             ``token`` (an int shared by this session's ranks), ``session_id``,
             ``session_dir``, ``client_pid``, ``client_started``, ``reap_pids``
-            (PIDs rank 0 ends if the client dies), ``engine_id``, ``host`` (the
-            name this rank was launched on), ``shared_files`` (publish the status
+            (``[pid, start time]`` pairs this rank ends if the client dies),
+            ``engine_id``, ``host`` (the name this rank was launched on),
+            ``shared_files`` (publish the status
             file in ``session_dir``; else in a private folder on this host),
             ``watch_client`` (end this engine when the client's process is gone;
             only possible when this host sees that process), ``init_barrier`` (ring:
@@ -243,7 +244,8 @@ def bootstrap(cfg: dict[str, Any]) -> dict[str, Any]:
         status_dir,
         client_pid=int(cfg["client_pid"]),
         client_started=float(cfg["client_started"]),
-        reap_pids=list(cfg.get("reap_pids", [])) if rank == 0 else [],
+        # (the notebook sends them to one rank: the first that watches it)
+        reap_pids={int(pid): float(t) for pid, t in cfg.get("reap_pids", [])},
         device=device,
         watch_client=bool(cfg.get("watch_client", True)),
     )

@@ -70,7 +70,7 @@ class Monitor:
         *,
         client_pid: int,
         client_started: float,
-        reap_pids: list[int] | None = None,
+        reap_pids: dict[int, float] | None = None,
         device: str = "",
         interval: float = config.PUBLISH_INTERVAL,
         watch_client: bool = True,
@@ -80,7 +80,8 @@ class Monitor:
         self.path = Path(session_dir) / f"rank{tracker.rank}.json"
         self.client_pid = client_pid
         self.client_started = client_started
-        self.reap_pids = reap_pids or []
+        #: what to end when the notebook is gone: pid -> start time (watchdog.start_time)
+        self.reap_pids = reap_pids or {}
         self.interval = interval
         self.state: dict[str, Any] = {
             "rank": tracker.rank,
@@ -288,11 +289,7 @@ class Monitor:
         return watchdog.client_alive(self.client_pid, self.client_started)
 
     def _reap_and_exit(self) -> None:
-        for pid in self.reap_pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
+        watchdog.kill(self.reap_pids, signal.SIGTERM)  # a PID reused since: spared
         self.remove_private_dir()
         os._exit(0)
 

@@ -25,7 +25,8 @@ tag are contiguous, so the bytes on the wire do not depend on how either side la
 them out.
 
 Positions are told apart modulo :data:`SPAN` or more: two collectives that far apart
-look alike. Tagged: collectives over the whole group under
+look alike. Tagged: collectives over the whole group, or over a group ``Group.split``
+made (positions counted in that group, sums over its size), under
 ``config.ORDER_TAG_MAX_BYTES`` (the tag copies the input), of a dtype that holds
 small integers exactly, and, for group collectives, run rather than traced in
 ``mx.compile`` (every rank runs the same code there; a traced tag could not be read).
@@ -176,6 +177,9 @@ class Tag:
     digits: Sequence[int]
     base: int
     size: int
+    #: over a subgroup: its id, which ``Group.split`` of this rank made it (1 first),
+    #: this rank's rank in it, and the collective's position there; ``None``: the world
+    place: tuple[int, int, int, int] | None = None
 
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it); a message's:
@@ -218,6 +222,8 @@ class Tag:
                                           [-_MESSAGE_BYTE] * len(expected)):
             return None  # sent from a traced function: any position (see digits); or bool
         op, rec, n = self.rec.op, self.rec, len(self.digits)
+        if self.place is not None:
+            rank = self.place[2]  # partners are named by their ranks in the group
         partners: dict[str, int | None] = {}
         if op == "all_gather":
             partners = {str(r): self._position(got[r * n:(r + 1) * n], issued)
@@ -229,8 +235,13 @@ class Tag:
             squares = [got[2 * j + 1] - d * d for j, d in enumerate(self.digits)]
             ok = all(s == t * t for s, t in zip(squares, theirs, strict=True))
             partners = {str(1 - rank): self._position(theirs, issued) if ok else None}
-        return {"op": op, "shape": list(rec.shape), "dtype": rec.dtype, "n": rec.group_index,
-                "peer": rec.peer, "with": partners, "settled": settled}
+        found = {"op": op, "shape": list(rec.shape), "dtype": rec.dtype, "n": rec.group_index,
+                 "peer": rec.peer, "with": partners, "settled": settled}
+        if self.place is not None:
+            _, split, group_rank, position = self.place
+            found.update(n=position, group={"split": split, "rank": group_rank,
+                                            "size": self.size})
+        return found
 
     def _position(self, ds: list[float], issued: int) -> int | None:
         if issued > self.base ** len(self.digits):

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 TRANSFORMS = ("compile", "vmap")
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 _OP_CODES = {op: i + 1 for i, op in enumerate(OPS)}
+#: which way a message goes: its sends and its receives are counted apart
+_DIRECTION = {"send": "send", "recv": "recv", "recv_like": "recv"}
 #: how many issued-but-unevaluated collective outputs a rank holds before it drops
 #: those already evaluated (see :meth:`Tracker.settle`)
 COMPACT_AT = 64
@@ -65,7 +67,8 @@ class _Trace:
     count: int = 0
     #: whether it recorded anything (a call that hits the compiled cache records nothing)
     recorded: bool = False
-    #: the messages it issued: ``(op, shape, dtype, peer, nbytes)``
+    #: the messages it issued: ``(op, shape, dtype, peer, nbytes)``, with the group
+    #: after them when it is a subgroup (see Tracker._after_call)
     messages: list[tuple[Any, ...]] = field(default_factory=list)
 
 
@@ -102,8 +105,9 @@ class Tracker:
         self.active_ranks: list[int] | None = None
         self.check = False
         self._orig: dict[str, Any] = {}
-        #: the groups ``Group.split`` made, by id (see :meth:`_wrap_split`)
-        self._subgroups: dict[int, Any] = {}
+        #: the groups ``Group.split`` made, by id: the group (kept, so that its id stays
+        #: its own) and which split made it on this rank, 1 first (see :meth:`_wrap_split`)
+        self._subgroups: dict[int, tuple[Any, int]] = {}
         self._lock = threading.Lock()
         #: held by the one compaction in flight (it looks at a snapshot of the held
         #: outside ``_lock``) and by settle's taking of the held: a cell's threads may
@@ -150,6 +154,9 @@ class Tracker:
         self._compact_at = COMPACT_AT
         #: collectives whose tag says they ran with another collective (see :mod:`.order`)
         self._order: list[dict[str, Any]] = []
+        #: positions over subgroups, by group id and direction (``""``: its group
+        #: collectives, peer ``None``) and peer (its rank in the group)
+        self._sub_counts: dict[tuple[int, str, int | None], int] = {}
 
     # -- installation -------------------------------------------------------------
     def install(self) -> None:
@@ -170,15 +177,16 @@ class Tracker:
             group.split = self._wrap_split(group.split)
 
     def _wrap_split(self, split: Any) -> Any:
-        """``Group.split`` whose groups are known as subgroups (kept, so that their
-        ``id`` stays theirs): a split of the world's size, its ranks in another order
-        (mpi, nccl), is not the world, whose ranks the ledgers, tags and drains count
-        in. Every rank calls split, so every rank knows a group alike."""
+        """``Group.split`` whose groups are known as subgroups: a split of the world's
+        size, its ranks in another order (mpi, nccl), is not the world, whose ranks the
+        ledgers and drains count in. Every rank of a group calls its split, so each
+        knows the groups alike: collectives over them are tagged with their positions
+        in the group (:mod:`.order`)."""
         subgroups = self._subgroups
 
         def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
             sub = split(group, *args, **kwargs)
-            subgroups[id(sub)] = sub
+            subgroups[id(sub)] = (sub, len(subgroups) + 1)
             return sub
 
         wrapped.__name__ = "split"
@@ -241,8 +249,11 @@ class Tracker:
         if trace.recorded:
             messages[key] = trace.messages
             return
-        for op, shape, dtype, peer, nbytes in messages.get(key, ()):
-            self._record(op, shape, dtype, peer, nbytes, world=True)
+        for op, shape, dtype, peer, nbytes, *group in messages.get(key, ()):
+            if group:  # over a subgroup: its position only (its tag's, see _wrap)
+                self._sub_position(group[0], op, peer)
+            else:
+                self._record(op, shape, dtype, peer, nbytes, world=True)
 
     def original(self, op: str) -> Any:
         return self._orig.get(op) or getattr(mx.distributed, op)
@@ -352,7 +363,12 @@ class Tracker:
             except Exception:  # noqa: BLE001 - a peer gone mid-collective: the cell says so
                 continue
             peer = t.rec.peer
-            issued = self._collectives if peer is None else len(self._recvd.get(int(peer), []))
+            if t.place is not None:  # over a subgroup: its own positions
+                issued = self._sub_counts.get((t.place[0], _DIRECTION.get(t.rec.op, ""), peer), 0)
+            elif peer is None:
+                issued = self._collectives
+            else:
+                issued = len(self._recvd.get(int(peer), []))
             found = t.problem(got, self.rank, issued, t.rec.seq in settled)
             if found is not None:
                 self._order.append(found)
@@ -506,15 +522,28 @@ class Tracker:
                 if problem:
                     raise CollectiveError(problem)
             nbytes = int(x.nbytes) if isinstance(x, mx.array) else dtypes.nbytes(shape, dtype)
-            world = size == tracker.size and id(group) not in tracker._subgroups  # is_world
+            sub = tracker._subgroups.get(id(group))
+            world = size == tracker.size and sub is None  # is_world, inline
             traced = bool(getattr(tracker._transforms, "calls", None))  # tracing(), inline
             rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
             # tagged with its position, to prove the ranks ran it together (see .order)
-            base, n = (0, 0) if not world or (traced and op not in P2P) else order.width(
-                op, dtype, tracker.size, nbytes)
-            index = order.WILDCARD if traced else rec.group_index
+            if traced and op not in P2P:
+                base = n = 0
+            elif world:
+                base, n = order.width(op, dtype, size, nbytes)
+                index = order.WILDCARD if traced else rec.group_index
+            elif sub is not None and size > 1:
+                base, n = order.width(op, dtype, size, nbytes)
+                index = tracker._sub_position(group, op, peer)
+                if traced:  # counted again when a call reuses the trace (_after_call)
+                    tracker._transforms.calls[-1].messages.append(
+                        (op, shape, dtype, peer, nbytes, group))
+                    index = order.WILDCARD
+                place = (id(group), sub[1], group.rank(), index)
+            else:
+                base = n = 0
             found = base and order.call(op, tracker._orig, x, shape, dtype, peer, kwargs,
-                                        index, base, n, tracker.size)
+                                        index, base, n, size)
             run, a, kw, split = found[0] if found else (fn, args, kwargs, None)
             recorder = tracker.recorder
             # a profiled cell: evaluate the inputs, then this collective, timed
@@ -523,7 +552,8 @@ class Tracker:
             if found:
                 out, full = order.on_stream(kwargs.get("stream"), split, out)
                 if full is not None and not tracker._replaying and not traced:
-                    tag = order.Tag(rec, full, found[1], base, tracker.size)
+                    tag = order.Tag(rec, full, found[1], base, size,
+                                    None if world else place)
             if not traced:  # a tracer never runs as such (settle could not evaluate it)
                 tracker._hold(rec, out, tag)
             return out
@@ -533,6 +563,14 @@ class Tracker:
         wrapper.__doc__ = fn.__doc__
         wrapper.__wrapped__ = fn
         return wrapper
+
+    def _sub_position(self, group: Any, op: str, peer: int | None) -> int:
+        """The position of this collective over subgroup ``group`` in the cell: of its
+        group collectives, or of its messages to ``peer``, or of those from ``peer``."""
+        key = (id(group), _DIRECTION.get(op, ""), peer)
+        with self._lock:
+            n = self._sub_counts[key] = self._sub_counts.get(key, 0) + 1
+        return n
 
     def _subset_problem(self, op: str, group: Any) -> str | None:
         active = self.active_ranks

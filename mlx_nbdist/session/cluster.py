@@ -258,6 +258,7 @@ class Cluster:
             "session_id": self.session_id,
             "client_pid": os.getpid(),
             "client_started": watchdog.start_time(os.getpid()),
+            "clock": watchdog.CLOCK,
             "n": n,
             "backend": str(backend),
             "launcher": launcher,

@@ -118,7 +118,10 @@ def form_group(
     # One rank that sees this process ends the controller if the notebook dies.
     reaper = next((r for r in sorted(order) if watch[r]), None)
     cpid = cluster.controller_pid()
-    reap = [cpid, *processes.children(cpid)] if cpid else []
+    # the controller and its schedulers, by PID and start time: ended by the rank that
+    # sees the notebook gone
+    reap = [x for pid in ([cpid, *processes.children(cpid)] if cpid else [])
+            if (x := processes.identity(pid))]
     barrier = None
     if backend == Backend.RING and all(places[r].shared_files for r in order):
         barrier = cluster.directory / f"init-{secrets.token_hex(4)}"
