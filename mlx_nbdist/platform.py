@@ -83,23 +83,45 @@ def has_posix_shm() -> bool:
     return _posixshmem is not None
 
 
-def machine_id(env: Mapping[str, str] | None = None) -> str:
+def machine_id(env: Mapping[str, str] | None = None, system: str | None = None) -> str:
     """Identifies this machine (same kernel, same boot): ``hostname/boot``.
 
-    ``boot`` is Linux's boot id where ``/proc`` may be read, else the boot time in
-    whole seconds (psutil; imported here only, so this module loads without it).
+    ``boot`` is the kernel's own id of this boot, which no clock moves: Linux's boot id
+    where ``/proc`` may be read, macOS's ``kern.bootsessionuuid``. Else (portable
+    mode, or no answer) the boot time in whole seconds (psutil; imported here only,
+    so this module loads without it), which a clock stepped or slewed across a second
+    moves: the notebook and a rank that read it on either side of the move (a spare
+    probed before a Mac slept, the restart after) took one machine for two.
     """
     boot = ""
-    if has_proc(env):
+    if has_proc(env, system):
         try:
             boot = BOOT_ID.read_text().strip()
         except OSError:
             boot = ""
+    elif (sys.platform if system is None else system) == "darwin":
+        boot = _sysctl("kern.bootsessionuuid", env)
     if not boot:
         import psutil
 
         boot = f"{psutil.boot_time():.0f}"
     return f"{socket.gethostname()}/{boot}"
+
+
+def _sysctl(name: str, env: Mapping[str, str] | None = None) -> str:
+    """``sysctl -n name`` (macOS, BSD); ``""`` when it gives no answer."""
+    import shutil
+    import subprocess
+
+    path = (os.environ if env is None else env).get("PATH", "")
+    exe = shutil.which("sysctl", path=os.pathsep.join([path, "/usr/sbin", "/sbin"]))
+    if exe is None:
+        return ""
+    try:
+        out = subprocess.run([exe, "-n", name], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 # --------------------------------------------------------- POSIX shared memory

@@ -149,6 +149,22 @@ def test_platform_says_what_a_mac_and_portable_mode_offer() -> None:
         vm_read(os.getpid(), np.zeros(1).ctypes.data, np.empty(8, np.uint8))
 
 
+def test_a_macs_machine_identity_is_its_boot_session_not_the_clock(tmp_path: Path) -> None:
+    """macOS's boot time moves with the clock (a Mac that slept, then synced it): the
+    identity is the kernel's id of the boot, ``kern.bootsessionuuid``, as sysctl says
+    it (a stand-in sysctl here); without an answer, the boot time as before."""
+    sysctl = tmp_path / "sysctl"
+    sysctl.write_text('#!/bin/sh\n[ "$1 $2" = "-n kern.bootsessionuuid" ] && '
+                      'echo 5B0A2C1E-0000-4000-8000-0123456789AB\n')
+    sysctl.chmod(0o755)
+    mac = {"PATH": str(tmp_path)}
+    ident = platform.machine_id(mac, "darwin")
+    assert ident == f"{socket.gethostname()}/5B0A2C1E-0000-4000-8000-0123456789AB"
+    sysctl.write_text("#!/bin/sh\nexit 1\n")
+    assert platform.machine_id(mac, "darwin") == (
+        f"{socket.gethostname()}/{psutil.boot_time():.0f}")
+
+
 def test_machine_identity_without_proc() -> None:
     opened = watch_opens()
     ident = platform.machine_id()
