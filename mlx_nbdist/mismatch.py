@@ -116,24 +116,26 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
     what = describe(signature(p["op"], p["shape"], p["dtype"]))
     withs = p.get("with") or {}
     group = p.get("group")
-    if group:  # its ranks name the partners (the world ranks of theirs are not known)
-        over = (f" over the subgroup of {group['size']} ranks that Group.split call "
-                f"{group['split']} made on rank {rank}")
-        me, its = f"its rank {group['rank']} (rank {rank})", "its rank"
-    else:
-        over, me, its = "", f"rank {rank}", "rank"
+    name = _rank_namer(group)
+    over = ""
+    if group:
+        members = group.get("members")
+        over = (f" over the subgroup of ranks {', '.join(map(str, members))}" if members
+                else f" over a subgroup of {group['size']} ranks")
     if p["op"] in P2P:
         src, got = p["peer"], withs.get(str(p["peer"]))
-        read = f"{its} {src}'s message {got}" if got else f"another message of {its} {src}"
-        text = f"message {p['n']}{over} from {its} {src} to {me} ({what}) read {read}"
+        read = f"{name(src)}'s message {got}" if got else f"another message of {name(src)}"
+        text = f"message {p['n']}{over} from {name(src)} to rank {rank} ({what}) read {read}"
     else:
-        known = [f"collective {n} of {its} {r}" for r, n in withs.items() if n]
+        known = [f"collective {n} of {name(int(r))}" for r, n in withs.items() if n]
         partner = " and ".join(known) if known else "another collective on another rank"
-        text = (f"collective {p['n']}{over or ' of this cell'} ({what}) ran on {me} "
+        text = (f"collective {p['n']}{over or ' of this cell'} ({what}) ran on rank {rank} "
                 f"together with {partner}")
     if not issued_alike:  # the cause is said already; which ran with which is the fact
         return f"{text}."
     left = sorted({r for r, q in problems if q.get("settled")})
+    if p["op"] in P2P and not p.get("settled"):
+        left = []  # a message read out of turn as the receiver ran it: the sender's order
     if left:
         cells = "its cell" if len(left) == 1 else "their cells"
         who = ranks_named(left)
@@ -144,6 +146,17 @@ def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
                 "in a loop), or the same ones in the order their mx.eval chose (mx.eval(a, b) "
                 "may run b first). The values those ranks computed from them are wrong.")
     return f"{text}. {ORDER_CONSEQUENCE}."
+
+
+def _rank_namer(group: Mapping[str, Any] | None) -> Any:
+    """How a tag's partner is named: by its world rank, also over a subgroup whose
+    members are known (``"rank 2"``); else by its rank in the subgroup."""
+    members = (group or {}).get("members")
+    if not group:
+        return lambda r: f"rank {r}"
+    if members:
+        return lambda r: f"rank {members[r]}"
+    return lambda r: f"its rank {r} in the subgroup"
 
 
 def _trace_name(trace: str) -> str:

@@ -102,7 +102,29 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
     order = [p for p in order if not (p.startswith("message ") and (m := _PAIR.search(p))
                                       and m.groups() in pairs)]
     out.problems[:0] = order
+    _check_subgroup_messages(out, ledgers)
     return out
+
+
+def _check_subgroup_messages(out: LedgerCheck, ledgers: dict[int, dict[str, Any]]) -> None:
+    """The messages over each subgroup (``Tracker._sub_ledger``: by its members' world
+    ranks), compared as the world's are: a message sent over it and never received
+    would be read by a later cell's receive over it, its tag in step (a user trial)."""
+    groups = {key for led in ledgers.values() for key in (led.get("subgroups") or {})}
+    for key in sorted(groups):
+        members = [int(r) for r in key.split(",")]
+        over = f" over the subgroup of ranks {', '.join(map(str, members))}"
+        check = LedgerCheck(problems=[])
+        box = {r: (led.get("subgroups") or {}).get(key, {}) for r, led in ledgers.items()}
+        for src in members:
+            for dst in members:
+                sent = box.get(src, {}).get("sent", {}).get(str(dst), [])
+                got = box.get(dst, {}).get("recvd", {}).get(str(src), [])
+                if sent or got:
+                    _compare_messages(check, src, dst, sent, got, over)
+        for dst, msgs in check.unmatched.items():
+            out.unmatched.setdefault(dst, []).extend(dict(m, group=members) for m in msgs)
+        out.problems += check.problems
 
 
 #: the ranks a message's line names: ``from rank 0 to rank 1``
@@ -162,8 +184,11 @@ def _collectives(ledger: dict[str, Any] | None) -> str:
 
 
 def _compare_messages(
-    out: LedgerCheck, src: int, dst: int, sent: list[list[Any]], got: list[list[Any]]
+    out: LedgerCheck, src: int, dst: int, sent: list[list[Any]], got: list[list[Any]],
+    over: str = "",
 ) -> None:
+    """One pair's messages of one cell, the sender's against the receiver's (``over``:
+    the subgroup they went over, as the lines say it; ``""``: the whole group)."""
     for i, (s, g) in enumerate(zip(sent, got, strict=False)):
         if len(s) > 3 and len(g) > 3 and s[3] != g[3]:
             out.problems.append(
@@ -175,7 +200,7 @@ def _compare_messages(
             return
         if s[0] != g[0]:
             out.problems.append(
-                f"message {i + 1} from rank {src} to rank {dst}: {s[0]} bytes sent "
+                f"message {i + 1} from rank {src} to rank {dst}{over}: {s[0]} bytes sent "
                 f"({s[1]} {tuple(s[2])}) but {g[0]} received ({g[1]} {tuple(g[2])}); "
                 "the receiver read wrong data"
             )
@@ -186,13 +211,13 @@ def _compare_messages(
             {"src": src, "shape": m[2], "dtype": m[1]} for m in extra
         )
         out.problems.append(
-            f"rank {src} sent {len(extra)} message(s) to rank {dst} that rank {dst} never "
+            f"rank {src} sent {len(extra)} message(s) to rank {dst}{over} that rank {dst} never "
             f"received ({', '.join(f'{m[1]} {tuple(m[2])}' for m in extra)}); they were "
             "received and dropped so that no later cell reads them"
         )
     elif len(got) > len(sent):
         out.problems.append(
-            f"rank {dst} received {len(got)} message(s) from rank {src}, which sent "
+            f"rank {dst} received {len(got)} message(s) from rank {src}{over}, which sent "
             f"{len(sent)} in this cell: the extra data came from an earlier cell, and the "
             "values that used it are wrong"
         )

@@ -142,27 +142,42 @@ def test_the_lowest_ranks_first_problem_is_described() -> None:
     assert first_order_problem({}) is None
 
 
-def test_a_subgroups_collective_is_named_by_its_group_and_the_groups_ranks() -> None:
-    """Over a group ``world.split`` made, positions count in that group and partners
-    are its ranks (their world ranks are not known to the rank that reads the tag)."""
+def test_a_subgroups_collective_is_named_by_its_members_world_ranks() -> None:
+    """Over a group ``world.split`` made, positions count in that group; its partners
+    are found by their ranks in it and named by their world ranks (its members,
+    gathered when it was made)."""
     t = tag("all_sum", 2)
-    # world rank 0 is the group's rank 1 (split(0, 1 - rank)); its partner ran position 1
-    t.place = (12345, 1, 1, 2)
-    found = t.problem([1, 1, 0, 0], 0, issued=2)
+    # world rank 2 is the group's rank 1 of ranks (3, 2); its partner ran position 1
+    t.place = (12345, 1, 2, (3, 2))
+    found = t.problem([1, 1, 0, 0], 2, issued=2)
     assert found is not None and found["with"] == {"0": 1} and found["n"] == 2
-    assert found["group"] == {"split": 1, "rank": 1, "size": 2}
-    text = first_order_problem({0: [found]})
+    assert found["group"] == {"rank": 1, "size": 2, "members": [3, 2]}
+    text = first_order_problem({2: [found]})
     assert text is not None and text.startswith(
-        "collective 2 over the subgroup of 2 ranks that Group.split call 1 made on rank 0 "
-        "(all_sum shape=(4,) dtype=float32) ran on its rank 1 (rank 0) together with "
-        "collective 1 of its rank 0. "), text
+        "collective 2 over the subgroup of ranks 3, 2 (all_sum shape=(4,) dtype=float32) ran "
+        "on rank 2 together with collective 1 of rank 3. "), text
     msg = tag("recv", 1, peer=1)
-    msg.place = (12345, 2, 0, 1)
-    text = first_order_problem({1: [msg.problem([1, 0], 1, issued=2)]})
+    msg.place = (12345, 0, 1, (0, 2))
+    text = first_order_problem({0: [msg.problem([1, 0], 0, issued=2)]})
     assert text is not None and text.startswith(
-        "message 1 over the subgroup of 2 ranks that Group.split call 2 made on rank 1 from "
-        "its rank 1 to its rank 0 (rank 1) (recv shape=(4,) dtype=float32) read its rank 1's "
-        "message 2. "), text
+        "message 1 over the subgroup of ranks 0, 2 from rank 2 to rank 0 (recv shape=(4,) "
+        "dtype=float32) read rank 2's message 2. "), text
+    # members not known (a backend that could not gather them): ranks in the group
+    msg.place = (12345, 0, 1, None)
+    text = first_order_problem({0: [msg.problem([1, 0], 0, issued=2)]})
+    assert text is not None and text.startswith(
+        "message 1 over a subgroup of 2 ranks from its rank 1 in the subgroup to rank 0"), text
+
+
+def test_a_message_read_out_of_turn_by_the_receiver_is_not_blamed_on_a_cells_end() -> None:
+    """A user trial: rank 1 read message 1 itself (the sender's mx.eval had sent 3
+    first), then raised; its later receives ran at its cell's end. The first problem
+    is the sender's order, not the cell's end."""
+    first = tag("recv", 1, peer=0).problem([2, 0], 1, issued=3)
+    later = tag("recv", 2, peer=0).problem([0, 0], 1, issued=3, settled=True)
+    text = first_order_problem({1: [first, later]})
+    assert text is not None and "had not evaluated them when" not in text
+    assert "The ranks issued the same collectives but ran them in different orders" in text
 
 
 def test_collectives_run_at_a_cells_end_are_blamed_on_that_end_not_on_mx_eval() -> None:

@@ -177,9 +177,9 @@ class Tag:
     digits: Sequence[int]
     base: int
     size: int
-    #: over a subgroup: its id, which ``Group.split`` of this rank made it (1 first),
-    #: this rank's rank in it, and the collective's position there; ``None``: the world
-    place: tuple[int, int, int, int] | None = None
+    #: over a subgroup: its id, this rank's rank in it, the collective's position
+    #: there, and its members' world ranks (``None``: not known); ``None``: the world
+    place: tuple[int, int, int, tuple[int, ...] | None] | None = None
 
     def values(self) -> list[float]:
         """The tag's values in :attr:`full` (evaluated: waits for it); a message's:
@@ -223,7 +223,7 @@ class Tag:
             return None  # sent from a traced function: any position (see digits); or bool
         op, rec, n = self.rec.op, self.rec, len(self.digits)
         if self.place is not None:
-            rank = self.place[2]  # partners are named by their ranks in the group
+            rank = self.place[1]  # partners are found by their ranks in the group
         partners: dict[str, int | None] = {}
         if op == "all_gather":
             partners = {str(r): self._position(got[r * n:(r + 1) * n], issued)
@@ -238,9 +238,9 @@ class Tag:
         found = {"op": op, "shape": list(rec.shape), "dtype": rec.dtype, "n": rec.group_index,
                  "peer": rec.peer, "with": partners, "settled": settled}
         if self.place is not None:
-            _, split, group_rank, position = self.place
-            found.update(n=position, group={"split": split, "rank": group_rank,
-                                            "size": self.size})
+            _, group_rank, position, members = self.place
+            found.update(n=position, group={"rank": group_rank, "size": self.size,
+                                            "members": list(members) if members else None})
         return found
 
     def _position(self, ds: list[float], issued: int) -> int | None:

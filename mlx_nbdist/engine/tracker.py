@@ -72,6 +72,15 @@ class _Trace:
     messages: list[tuple[Any, ...]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Sub:
+    """A group ``Group.split`` made (see Tracker._wrap_split)."""
+
+    group: Any  # kept, so that its id stays its own
+    #: the world ranks of its ranks, in its order (``None``: not known)
+    members: tuple[int, ...] | None
+
+
 class CollectiveError(RuntimeError):
     """A collective was refused before it could hang or give wrong numbers."""
 
@@ -105,9 +114,8 @@ class Tracker:
         self.active_ranks: list[int] | None = None
         self.check = False
         self._orig: dict[str, Any] = {}
-        #: the groups ``Group.split`` made, by id: the group (kept, so that its id stays
-        #: its own) and which split made it on this rank, 1 first (see :meth:`_wrap_split`)
-        self._subgroups: dict[int, tuple[Any, int]] = {}
+        #: the groups ``Group.split`` made, by id (see :meth:`_wrap_split`)
+        self._subgroups: dict[int, _Sub] = {}
         self._lock = threading.Lock()
         #: held by the one compaction in flight (it looks at a snapshot of the held
         #: outside ``_lock``) and by settle's taking of the held: a cell's threads may
@@ -157,6 +165,8 @@ class Tracker:
         #: positions over subgroups, by group id and direction (``""``: its group
         #: collectives, peer ``None``) and peer (its rank in the group)
         self._sub_counts: dict[tuple[int, str, int | None], int] = {}
+        #: the messages over subgroups, the same way: ``[nbytes, dtype, shape]`` each
+        self._sub_msgs: dict[tuple[int, str, int | None], list[list[Any]]] = {}
 
     # -- installation -------------------------------------------------------------
     def install(self) -> None:
@@ -179,14 +189,24 @@ class Tracker:
     def _wrap_split(self, split: Any) -> Any:
         """``Group.split`` whose groups are known as subgroups: a split of the world's
         size, its ranks in another order (mpi, nccl), is not the world, whose ranks the
-        ledgers and drains count in. Every rank of a group calls its split, so each
-        knows the groups alike: collectives over them are tagged with their positions
-        in the group (:mod:`.order`)."""
-        subgroups = self._subgroups
+        drains count in. Every rank of a new group gathers the world ranks of its
+        members over it at once (every member is in this call), so that the ledgers
+        can pair the messages over it and the errors name its ranks; collectives over
+        it are tagged with their positions in it (:mod:`.order`)."""
+        subgroups, tracker = self._subgroups, self
 
         def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
             sub = split(group, *args, **kwargs)
-            subgroups[id(sub)] = (sub, len(subgroups) + 1)
+            members = None
+            if sub.size() > 1 and "all_gather" in tracker._orig:
+                try:
+                    out = tracker._orig["all_gather"](
+                        mx.array([tracker.rank], dtype=mx.int32), group=sub)
+                    mx.eval(out)
+                    members = tuple(int(r) for r in out.tolist())
+                except Exception:  # noqa: BLE001 - a backend without it: ranks unnamed
+                    members = None
+            subgroups[id(sub)] = _Sub(sub, members)
             return sub
 
         wrapped.__name__ = "split"
@@ -250,8 +270,8 @@ class Tracker:
             messages[key] = trace.messages
             return
         for op, shape, dtype, peer, nbytes, *group in messages.get(key, ()):
-            if group:  # over a subgroup: its position only (its tag's, see _wrap)
-                self._sub_position(group[0], op, peer)
+            if group:  # over a subgroup: its position (its tag's, see _wrap) and ledger
+                self._sub_position(group[0], op, peer, [nbytes, dtype, list(shape)])
             else:
                 self._record(op, shape, dtype, peer, nbytes, world=True)
 
@@ -309,7 +329,20 @@ class Tracker:
                 "sent": {str(p): list(v) for p, v in self._sent.items()},
                 "recvd": {str(p): list(v) for p, v in self._recvd.items()},
                 "order": list(self._order),
+                "subgroups": self._sub_ledger(),
             }
+
+    def _sub_ledger(self) -> dict[str, dict[str, dict[str, list[list[Any]]]]]:
+        """The messages over subgroups, as the notebook pairs them: by group (its
+        members' world ranks, ``"0,2"``), ``sent`` / ``recvd``, the peer's world rank."""
+        out: dict[str, dict[str, dict[str, list[list[Any]]]]] = {}
+        for (gid, direction, peer), msgs in self._sub_msgs.items():
+            sub = self._subgroups.get(gid)
+            if sub is None or sub.members is None or peer is None:
+                continue
+            box = out.setdefault(",".join(map(str, sub.members)), {"sent": {}, "recvd": {}})
+            box["sent" if direction == "send" else "recvd"][str(sub.members[peer])] = list(msgs)
+        return out
 
     def settle(self, after: str = "") -> list[CollectiveRecord]:
         """Evaluate, in issue order, this cell's collectives that are still unevaluated
@@ -364,7 +397,8 @@ class Tracker:
                 continue
             peer = t.rec.peer
             if t.place is not None:  # over a subgroup: its own positions
-                issued = self._sub_counts.get((t.place[0], _DIRECTION.get(t.rec.op, ""), peer), 0)
+                key = (t.place[0], _DIRECTION.get(t.rec.op, ""), peer)
+                issued = self._sub_counts.get(key, 0)
             elif peer is None:
                 issued = self._collectives
             else:
@@ -534,12 +568,12 @@ class Tracker:
                 index = order.WILDCARD if traced else rec.group_index
             elif sub is not None and size > 1:
                 base, n = order.width(op, dtype, size, nbytes)
-                index = tracker._sub_position(group, op, peer)
+                index = tracker._sub_position(group, op, peer, [nbytes, dtype, list(shape)])
                 if traced:  # counted again when a call reuses the trace (_after_call)
                     tracker._transforms.calls[-1].messages.append(
                         (op, shape, dtype, peer, nbytes, group))
                     index = order.WILDCARD
-                place = (id(group), sub[1], group.rank(), index)
+                place = (id(group), group.rank(), index, sub.members)
             else:
                 base = n = 0
             found = base and order.call(op, tracker._orig, x, shape, dtype, peer, kwargs,
@@ -564,12 +598,15 @@ class Tracker:
         wrapper.__wrapped__ = fn
         return wrapper
 
-    def _sub_position(self, group: Any, op: str, peer: int | None) -> int:
+    def _sub_position(self, group: Any, op: str, peer: int | None, desc: list[Any]) -> int:
         """The position of this collective over subgroup ``group`` in the cell: of its
-        group collectives, or of its messages to ``peer``, or of those from ``peer``."""
+        group collectives, or of its messages to ``peer``, or of those from ``peer``
+        (a message's ``desc``, ``[nbytes, dtype, shape]``, goes to the ledger)."""
         key = (id(group), _DIRECTION.get(op, ""), peer)
         with self._lock:
             n = self._sub_counts[key] = self._sub_counts.get(key, 0) + 1
+            if op in P2P:
+                self._sub_msgs.setdefault(key, []).append(desc)
         return n
 
     def _subset_problem(self, op: str, group: Any) -> str | None:
@@ -837,8 +874,13 @@ def receive_unmatched(tracker: Tracker, messages: list[dict[str, Any]]) -> int:
     tracker._replaying = True
     try:
         for m in messages:
+            group, src = tracker.world, int(m["src"])
+            if m.get("group"):  # over a subgroup: its members' world ranks
+                members = tuple(m["group"])
+                group = next(s.group for s in tracker._subgroups.values() if s.members == members)
+                src = members.index(src)
             out = mx.distributed.recv(
-                tuple(m["shape"]), dtypes.mx_dtype(m["dtype"]), int(m["src"]), group=tracker.world
+                tuple(m["shape"]), dtypes.mx_dtype(m["dtype"]), src, group=group
             )
             mx.eval(out)
     finally:
