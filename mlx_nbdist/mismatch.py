@@ -156,7 +156,7 @@ def _rank_namer(group: Mapping[str, Any] | None) -> Any:
         return lambda r: f"rank {r}"
     if members:
         return lambda r: f"rank {members[r]}"
-    return lambda r: f"its rank {r} in the subgroup"
+    return lambda r: f"the subgroup's rank {r}"
 
 
 def _trace_name(trace: str) -> str:

@@ -96,23 +96,26 @@ def check_ledgers(ledgers: dict[int, dict[str, Any]], ran: list[int], size: int)
             src = int(src_key)
             if str(dst) not in (ledgers.get(src) or {}).get("sent", {}) and got:
                 _compare_messages(out, src, dst, [], got)
+    _check_subgroup_messages(out, ledgers, ran)
     order = order_problems(ledgers, ran)
-    # a message of another size: a tag read after it, between the same ranks, follows
+    # a message of another size: a tag read after it, between the same ranks over the
+    # same group, follows
     pairs = {m.groups() for p in out.problems for m in [_PAIR.search(p)] if m}
     order = [p for p in order if not (p.startswith("message ") and (m := _PAIR.search(p))
                                       and m.groups() in pairs)]
     out.problems[:0] = order
-    _check_subgroup_messages(out, ledgers)
     return out
 
 
-def _check_subgroup_messages(out: LedgerCheck, ledgers: dict[int, dict[str, Any]]) -> None:
-    """The messages over each subgroup (``Tracker._sub_ledger``: by its members' world
-    ranks), compared as the world's are: a message sent over it and never received
-    would be read by a later cell's receive over it, its tag in step (a user trial)."""
+def _check_subgroup_messages(out: LedgerCheck, ledgers: dict[int, dict[str, Any]],
+                             ran: list[int]) -> None:
+    """The messages over each subgroup (``Tracker._sub_ledger``: by its key, each
+    member's world rank and count of splits), compared as the world's are: a message
+    sent over it and never received would be read by a later cell's receive over it,
+    its tag in step (a user trial)."""
     groups = {key for led in ledgers.values() for key in (led.get("subgroups") or {})}
     for key in sorted(groups):
-        members = [int(r) for r in key.split(",")]
+        members = [int(m.split(":")[0]) for m in key.split(",")]
         over = f" over the subgroup of ranks {', '.join(map(str, members))}"
         check = LedgerCheck(problems=[])
         box = {r: (led.get("subgroups") or {}).get(key, {}) for r, led in ledgers.items()}
@@ -121,14 +124,15 @@ def _check_subgroup_messages(out: LedgerCheck, ledgers: dict[int, dict[str, Any]
                 sent = box.get(src, {}).get("sent", {}).get(str(dst), [])
                 got = box.get(dst, {}).get("recvd", {}).get(str(src), [])
                 if sent or got:
-                    _compare_messages(check, src, dst, sent, got, over)
+                    _compare_messages(check, src, dst, sent, got, over, dst in ran)
         for dst, msgs in check.unmatched.items():
-            out.unmatched.setdefault(dst, []).extend(dict(m, group=members) for m in msgs)
+            out.unmatched.setdefault(dst, []).extend(dict(m, group=key) for m in msgs)
         out.problems += check.problems
 
 
-#: the ranks a message's line names: ``from rank 0 to rank 1``
-_PAIR = re.compile(r"from rank (\d+) to rank (\d+)")
+#: the group and ranks a message's line names: ``from rank 0 to rank 1``, ``over the
+#: subgroup of ranks 1, 0 from rank 1 to rank 0``
+_PAIR = re.compile(r"((?:over the subgroup of ranks [\d, ]+ )?)from rank (\d+) to rank (\d+)")
 
 
 def order_problems(ledgers: dict[int, dict[str, Any]], ran: list[int]) -> list[str]:
@@ -185,10 +189,11 @@ def _collectives(ledger: dict[str, Any] | None) -> str:
 
 def _compare_messages(
     out: LedgerCheck, src: int, dst: int, sent: list[list[Any]], got: list[list[Any]],
-    over: str = "",
+    over: str = "", ran: bool = True,
 ) -> None:
     """One pair's messages of one cell, the sender's against the receiver's (``over``:
-    the subgroup they went over, as the lines say it; ``""``: the whole group)."""
+    the subgroup they went over, as the lines say it, ``""``: the whole group;
+    ``ran``: the receiver ran the cell)."""
     for i, (s, g) in enumerate(zip(sent, got, strict=False)):
         if len(s) > 3 and len(g) > 3 and s[3] != g[3]:
             out.problems.append(
@@ -200,7 +205,7 @@ def _compare_messages(
             return
         if s[0] != g[0]:
             out.problems.append(
-                f"message {i + 1} from rank {src} to rank {dst}{over}: {s[0]} bytes sent "
+                f"message {i + 1}{over} from rank {src} to rank {dst}: {s[0]} bytes sent "
                 f"({s[1]} {tuple(s[2])}) but {g[0]} received ({g[1]} {tuple(g[2])}); "
                 "the receiver read wrong data"
             )
@@ -210,14 +215,17 @@ def _compare_messages(
         out.unmatched.setdefault(dst, []).extend(
             {"src": src, "shape": m[2], "dtype": m[1]} for m in extra
         )
+        why = f"that rank {dst} never received" if ran else (
+            f"but rank {dst} did not run this cell: a message is received in the cell that "
+            "sends it")
         out.problems.append(
-            f"rank {src} sent {len(extra)} message(s) to rank {dst}{over} that rank {dst} never "
-            f"received ({', '.join(f'{m[1]} {tuple(m[2])}' for m in extra)}); they were "
+            f"rank {src} sent {len(extra)} message(s){over} to rank {dst} {why} "
+            f"({', '.join(f'{m[1]} {tuple(m[2])}' for m in extra)}); they were "
             "received and dropped so that no later cell reads them"
         )
     elif len(got) > len(sent):
         out.problems.append(
-            f"rank {dst} received {len(got)} message(s) from rank {src}{over}, which sent "
+            f"rank {dst} received {len(got)} message(s){over} from rank {src}, which sent "
             f"{len(sent)} in this cell: the extra data came from an earlier cell, and the "
             "values that used it are wrong"
         )

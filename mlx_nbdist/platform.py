@@ -28,6 +28,7 @@ loads this file by path.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -100,12 +101,18 @@ def machine_id(env: Mapping[str, str] | None = None, system: str | None = None) 
         except OSError:
             boot = ""
     elif (sys.platform if system is None else system) == "darwin":
-        boot = _sysctl("kern.bootsessionuuid", env)
+        # (this process's own: one sysctl a process; asked with env, each time)
+        boot = _boot_session() if env is None else _sysctl("kern.bootsessionuuid", env)
     if not boot:
         import psutil
 
         boot = f"{psutil.boot_time():.0f}"
     return f"{socket.gethostname()}/{boot}"
+
+
+@functools.cache
+def _boot_session() -> str:
+    return _sysctl("kern.bootsessionuuid")
 
 
 def _sysctl(name: str, env: Mapping[str, str] | None = None) -> str:
@@ -114,7 +121,9 @@ def _sysctl(name: str, env: Mapping[str, str] | None = None) -> str:
     import subprocess
 
     path = (os.environ if env is None else env).get("PATH", "")
-    exe = shutil.which("sysctl", path=os.pathsep.join([path, "/usr/sbin", "/sbin"]))
+    # (an empty entry would be the working directory)
+    dirs = [d for d in path.split(os.pathsep) if d] + ["/usr/sbin", "/sbin"]
+    exe = shutil.which("sysctl", path=os.pathsep.join(dirs))
     if exe is None:
         return ""
     try:

@@ -166,7 +166,7 @@ def test_a_subgroups_collective_is_named_by_its_members_world_ranks() -> None:
     msg.place = (12345, 0, 1, None)
     text = first_order_problem({0: [msg.problem([1, 0], 0, issued=2)]})
     assert text is not None and text.startswith(
-        "message 1 over a subgroup of 2 ranks from its rank 1 in the subgroup to rank 0"), text
+        "message 1 over a subgroup of 2 ranks from the subgroup's rank 1 to rank 0"), text
 
 
 def test_a_message_read_out_of_turn_by_the_receiver_is_not_blamed_on_a_cells_end() -> None:

@@ -79,6 +79,10 @@ class _Sub:
     group: Any  # kept, so that its id stays its own
     #: the world ranks of its ranks, in its order (``None``: not known)
     members: tuple[int, ...] | None
+    #: what names it alike on its ranks and apart from any other group, also one of
+    #: the same members (a cell that splits again): each member's world rank and how
+    #: many splits it had made, ``"1:2,0:2"`` (``None``: not known)
+    key: str | None
 
 
 class CollectiveError(RuntimeError):
@@ -189,24 +193,28 @@ class Tracker:
     def _wrap_split(self, split: Any) -> Any:
         """``Group.split`` whose groups are known as subgroups: a split of the world's
         size, its ranks in another order (mpi, nccl), is not the world, whose ranks the
-        drains count in. Every rank of a new group gathers the world ranks of its
-        members over it at once (every member is in this call), so that the ledgers
-        can pair the messages over it and the errors name its ranks; collectives over
-        it are tagged with their positions in it (:mod:`.order`)."""
+        drains count in. Every rank of a new group gathers, over it at once (every
+        member is in this call), each member's world rank and count of splits made
+        (:attr:`_Sub.key`), so that the ledgers can pair the messages over it and the
+        errors name its ranks; collectives over it are tagged with their positions in
+        it (:mod:`.order`)."""
         subgroups, tracker = self._subgroups, self
 
         def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
             sub = split(group, *args, **kwargs)
-            members = None
+            made = len(subgroups) + 1  # splits this rank made, this one included
+            members = key = None
             if sub.size() > 1 and "all_gather" in tracker._orig:
                 try:
                     out = tracker._orig["all_gather"](
-                        mx.array([tracker.rank], dtype=mx.int32), group=sub)
+                        mx.array([tracker.rank, made], dtype=mx.int32), group=sub)
                     mx.eval(out)
-                    members = tuple(int(r) for r in out.tolist())
+                    row = [int(v) for v in out.tolist()]
+                    members = tuple(row[0::2])
+                    key = ",".join(f"{r}:{n}" for r, n in zip(row[0::2], row[1::2], strict=True))
                 except Exception:  # noqa: BLE001 - a backend without it: ranks unnamed
-                    members = None
-            subgroups[id(sub)] = _Sub(sub, members)
+                    members = key = None
+            subgroups[id(sub)] = _Sub(sub, members, key)
             return sub
 
         wrapped.__name__ = "split"
@@ -333,14 +341,14 @@ class Tracker:
             }
 
     def _sub_ledger(self) -> dict[str, dict[str, dict[str, list[list[Any]]]]]:
-        """The messages over subgroups, as the notebook pairs them: by group (its
-        members' world ranks, ``"0,2"``), ``sent`` / ``recvd``, the peer's world rank."""
+        """The messages over subgroups, as the notebook pairs them: by group
+        (:attr:`_Sub.key`), ``sent`` / ``recvd``, the peer's world rank."""
         out: dict[str, dict[str, dict[str, list[list[Any]]]]] = {}
         for (gid, direction, peer), msgs in self._sub_msgs.items():
             sub = self._subgroups.get(gid)
-            if sub is None or sub.members is None or peer is None:
+            if sub is None or sub.members is None or sub.key is None or peer is None:
                 continue
-            box = out.setdefault(",".join(map(str, sub.members)), {"sent": {}, "recvd": {}})
+            box = out.setdefault(sub.key, {"sent": {}, "recvd": {}})
             box["sent" if direction == "send" else "recvd"][str(sub.members[peer])] = list(msgs)
         return out
 
@@ -875,10 +883,13 @@ def receive_unmatched(tracker: Tracker, messages: list[dict[str, Any]]) -> int:
     try:
         for m in messages:
             group, src = tracker.world, int(m["src"])
-            if m.get("group"):  # over a subgroup: its members' world ranks
-                members = tuple(m["group"])
-                group = next(s.group for s in tracker._subgroups.values() if s.members == members)
-                src = members.index(src)
+            if m.get("group"):  # over a subgroup: its key (see _Sub.key)
+                sub = next((s for s in tracker._subgroups.values() if s.key == m["group"]), None)
+                if sub is None or sub.members is None:
+                    raise CollectiveError(
+                        f"rank {tracker.rank} knows no subgroup {m['group']} to receive rank "
+                        f"{src}'s message over (its split was never made here)")
+                group, src = sub.group, sub.members.index(src)
             out = mx.distributed.recv(
                 tuple(m["shape"]), dtypes.mx_dtype(m["dtype"]), src, group=group
             )
