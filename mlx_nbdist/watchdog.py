@@ -297,8 +297,6 @@ class ProcStat:
     """What ``/proc/<pid>/stat`` says of a process."""
 
     state: str  # "R", "S", "Z" (a zombie) ...
-    ppid: int
-    pgrp: int
     started: float  # seconds from boot (see start_time)
 
 
@@ -307,10 +305,9 @@ def proc_stat(pid: int) -> ProcStat | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        # after "pid (comm) ": state is field 3, ppid 4, pgrp 5, start time (ticks) 22
+        # after "pid (comm) ": state is field 3, start time (clock ticks) field 22
         fields = stat[stat.rindex(b")") + 2 :].split()
-        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]),
-                        int(fields[19]) / _CLOCK_TICKS)  # fmt: skip
+        return ProcStat(fields[0].decode(), int(fields[19]) / _CLOCK_TICKS)
     except (OSError, ValueError, IndexError):
         return None
 
