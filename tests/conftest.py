@@ -6,6 +6,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -103,6 +104,27 @@ def started_anew(s: Session, said: list[str], what: str, old: list[int]) -> None
 
 def session_pids(s: Session) -> list[int]:
     return [pid for pid, _ in s.processes()]
+
+
+@pytest.fixture
+def tracked() -> Iterator[Any]:
+    """A tracker installed over ``mx.distributed`` in this process (a group of one),
+    everything it wraps put back afterwards."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_nbdist.engine.tracker import OPS, TRANSFORMS, Tracker
+
+    saved = [(mx.distributed, op) for op in OPS if hasattr(mx.distributed, op)]
+    saved += [(mx, name) for name in (*TRANSFORMS, "eval")]
+    saved += [(mx.distributed.Group, "split")] if hasattr(mx.distributed.Group, "split") else []
+    before = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    world = mx.distributed.init()
+    tracker = Tracker(world, world.rank(), world.size())
+    tracker.install()
+    try:
+        yield SimpleNamespace(mx=mx, tracker=tracker, world=world)
+    finally:
+        for owner, name, fn in before:
+            setattr(owner, name, fn)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ the group, proved in step, stays usable.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -433,3 +434,52 @@ def test_collectives_issued_in_another_order_are_not_said_to_be_issued_alike(
             "dtype=float32; rank 1: all_min shape=(2,) dtype=float32)") in text, text
     assert "issued the same collectives" not in text, text
     assert session2.state == "ready"
+
+
+# ------------------------------------------------ large outputs let go at mx.eval
+
+
+def test_a_large_output_is_let_go_once_an_mx_eval_that_ran_it_returns(tracked: Any) -> None:
+    """Held until a compaction, each call of a loop of large collectives got new memory
+    (a 16 MiB all_sum loop on mpi ran at a third of a plain script's speed). An output
+    of at least RELEASE_BYTES is let go once an mx.eval that ran it returns: given to
+    it, or in the graph it ran; one not evaluated is still held for the cell's end, as
+    is a small one."""
+    from mlx_nbdist.engine.tracker import RELEASE_BYTES
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    x = mx.ones((RELEASE_BYTES // 4,))
+    mx.eval(x)
+    for _ in range(5):
+        mx.eval(mx.distributed.all_sum(x, group=world))
+    assert tracker.holding == (0, 0)
+    kept = mx.distributed.all_sum(x * 2, group=world)  # issued, never evaluated
+    mx.eval(mx.distributed.all_sum(x[:4], group=world))
+    assert tracker.holding == (2, RELEASE_BYTES + 16)  # kept, and the small one
+    mx.eval([mx.distributed.all_sum(x, group=world) for _ in range(2)])
+    used = mx.distributed.all_sum(x * 3, group=world)
+    total = used.sum() + 1
+    del used
+    mx.eval(total)  # it ran in total's graph
+    assert tracker.holding == (2, RELEASE_BYTES + 16)
+    assert [r.op for r in tracker.settle()] == ["all_sum"]  # kept: run at the end
+    assert tracker.holding == (0, 0)
+    assert kept[:2].tolist() == [2.0, 2.0] and total.item() == 3 * x.size + 1
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_large_collectives_evaluated_in_another_order_still_fail(backend: str) -> None:
+    """Their tags are read when mx.eval lets them go (not at a compaction): a swap of
+    128 KiB all_sums evaluated one by one still fails the cell, on both backends."""
+    with Session(2, backend=backend, timeout=120) as s:
+        with pytest.raises(CellError) as info:
+            s.run(SWAP.format(shape=(32768,), dtype="float32").replace(
+                "print(a.tolist(), b.tolist())", "print(a[:2].tolist(), b[:2].tolist())"))
+        text = str(info.value)
+        assert ("collective 1 of this cell (all_sum shape=(32768,) dtype=float32) ran on "
+                "rank 0 together with collective 2 of rank 1") in text, text
+        r = s.run(SWAP.format(shape=(32768,), dtype="float32").replace(
+            "mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)").replace(
+            "print(a.tolist(), b.tolist())", "print(a[:2].tolist(), b[:2].tolist())"))
+        for rank in (0, 1):
+            assert r.stdout(rank).strip() == "[3.0, 3.0] [30.0, 30.0]", r.stdout(rank)

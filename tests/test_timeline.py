@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -487,24 +486,6 @@ def test_profiles_say_what_to_do_on_bad_input() -> None:
 
 
 # ------------------------------------------------ the recorder on a group of one
-
-
-@pytest.fixture
-def tracked() -> Iterator[Any]:
-    """A tracker installed over ``mx.distributed`` in this process (a group of one),
-    removed afterwards."""
-    mx = pytest.importorskip("mlx.core")
-    from mlx_nbdist.engine.tracker import OPS, Tracker
-
-    saved = {op: getattr(mx.distributed, op) for op in OPS if hasattr(mx.distributed, op)}
-    world = mx.distributed.init()
-    tracker = Tracker(world, world.rank(), world.size())
-    tracker.install()
-    try:
-        yield SimpleNamespace(mx=mx, tracker=tracker, world=world)
-    finally:
-        for op, fn in saved.items():
-            setattr(mx.distributed, op, fn)
 
 
 def _heavy(mx: Any) -> Any:
