@@ -694,14 +694,14 @@ class Tracker:
             f"ranks {active} only would wait forever for ranks {others}. "
             "Run the cell on all ranks (drop --ranks)"
         )
-        if self.backend in ("mpi", "nccl"):
+        if self.backend == "mpi":  # MLX's only backend with Group.split
             return text + (
                 ", or make a subgroup in a cell on every rank, e.g. "
                 f"sub = world.split(0 if rank in {active} else 1), and pass group=sub."
             )
         return (
             text + f"; the {self.backend or 'ring'} backend has no subgroups "
-            "(world.split() needs mpi or nccl)."
+            "(of MLX's backends only mpi has world.split())."
         )
 
     def _gather_check(self, row: list[int], group: Any) -> list[list[int]]:
