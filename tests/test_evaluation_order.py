@@ -467,6 +467,49 @@ def test_a_large_output_is_let_go_once_an_mx_eval_that_ran_it_returns(tracked: A
     assert kept[:2].tolist() == [2.0, 2.0] and total.item() == 3 * x.size + 1
 
 
+@pytest.mark.timeout(30)
+def test_the_cell_end_settles_after_an_interrupt_left_the_compaction_lock_held(
+        tracked: Any) -> None:
+    """A review's case: a KeyboardInterrupt landing just after mx.eval's non-blocking
+    acquire of the compaction lock (a notebook's ``try: train() except
+    KeyboardInterrupt``) left it held, and settle at the cell's end waited forever."""
+    from mlx_nbdist.engine.tracker import RELEASE_BYTES
+
+    mx, tracker, world = tracked.mx, tracked.tracker, tracked.world
+    x = mx.ones((RELEASE_BYTES // 4,))
+    kept = mx.distributed.all_sum(x * 2, group=world)
+    tracker._compacting.acquire(False)  # what the interrupt left: held by this thread
+    mx.eval(mx.distributed.all_sum(x, group=world))
+    assert [r.op for r in tracker.settle()] == ["all_sum"]
+    assert tracker.holding == (0, 0) and kept[:1].tolist() == [2.0]
+
+
+def test_another_threads_evals_do_not_read_this_threads_tags(session2: Session) -> None:
+    """A review's case: a thread looping on mx.eval while the cell's main thread ran
+    128 KiB all_sums. Its evals looked at the main thread's outputs, which MLX had cut
+    from their graphs while still running them: their tags read early, the correct
+    cell failed as run in different orders (and a rank crashed at times)."""
+    r = session2.run(
+        "import threading\n"
+        "stop = False\n"
+        "def bg():\n"
+        "    while not stop:\n"
+        "        mx.eval(mx.ones(8) + 1)\n"
+        "t = threading.Thread(target=bg); t.start()\n"
+        "x = mx.ones((32768,)) * (rank + 1)\n"
+        "bad = 0\n"
+        "try:\n"
+        "    for i in range(200):\n"
+        "        a = mx.distributed.all_sum(x * (i + 1), group=world)\n"
+        "        mx.eval(a)\n"
+        "        bad += a[-1].item() != 3 * (i + 1)\n"
+        "finally:\n"
+        "    stop = True; t.join()\n"
+        "print('wrong values:', bad)")
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == "wrong values: 0", r.stdout(rank)
+
+
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_large_collectives_evaluated_in_another_order_still_fail(backend: str) -> None:
     """Their tags are read when mx.eval lets them go (not at a compaction): a swap of

@@ -127,8 +127,11 @@ class Tracker:
         self._lock = threading.Lock()
         #: held by the one compaction in flight (it looks at a snapshot of the held
         #: outside ``_lock``) and by settle's taking of the held: a cell's threads may
-        #: issue collectives while another compacts or the cell's end settles
-        self._compacting = threading.Lock()
+        #: issue collectives while another compacts or the cell's end settles.
+        #: Reentrant: an interrupt (raised on the main thread only) landing just after
+        #: a non-blocking acquire leaves it held by the main thread, whose settle at
+        #: the cell's end must still take it (a plain lock hung the cell's end there)
+        self._compacting = threading.RLock()
         self._replaying = False
         #: per thread: how deep in functions mx.compile / mx.vmap transform (tracing())
         self._transforms = threading.local()
@@ -162,8 +165,9 @@ class Tracker:
         self._recvd: dict[int, list[list[Any]]] = {}
         self._held: list[tuple[CollectiveRecord, Any, order.Tag | None]] = []
         self._held_bytes = 0
-        #: the held outputs of at least RELEASE_BYTES, by id (see :meth:`_release`)
-        self._large: dict[int, Any] = {}
+        #: the held outputs of at least RELEASE_BYTES not yet looked at by an eval,
+        #: by id, with the thread that issued them (see :meth:`_release`)
+        self._large: dict[int, tuple[Any, int]] = {}
         #: how many of the first held were found unevaluated by a compaction: they are
         #: looked at again by a compaction by bytes, by one by count once there are 8
         #: more than twice as many as at the last look (``_stale_looked``), and by settle
@@ -258,20 +262,24 @@ class Tracker:
         return eval
 
     def _release(self, args: tuple[Any, ...]) -> None:
-        """After an ``mx.eval(*args)``: let go of the large held outputs that ran, their
-        tags read first. Those among ``args`` (or in a list or tuple there) ran; the
-        others are looked at once, all in one graph export (a few microseconds when
-        they ran, as a data-parallel step's gradient buckets have once its parameters
-        are evaluated). Any still unevaluated are not looked at by an eval again (such
-        a look walks their whole graph): they wait for a compaction or the cell's end.
+        """After an ``mx.eval(*args)`` on this thread: let go of the large held outputs
+        that ran, their tags read first. Those among ``args`` (or in a list or tuple
+        there) ran, whichever thread issued them. Those this thread issued are looked
+        at once, all in one graph export (a few microseconds when they ran, as a
+        data-parallel step's gradient buckets have once its parameters are evaluated);
+        any still unevaluated are not looked at by an eval again (such a look walks
+        their whole graph): they wait for a compaction or the cell's end. Another
+        thread's are not looked at: MLX cuts a graph as it schedules it, so one that
+        thread is evaluating now looks evaluated before its data (and tag) are written.
         Skipped while a compaction or settle has the held (the next eval tries again)."""
         if not self._compacting.acquire(False):
             return
         try:
-            with self._lock:
-                looked = dict(self._large)
             ids = {id(a) for a in args}
             ids.update(id(b) for a in args if isinstance(a, (list, tuple)) for b in a)
+            me = threading.get_ident()
+            with self._lock:
+                looked = {i: a for i, (a, t) in self._large.items() if i in ids or t == me}
             ran = {i for i in looked if i in ids}
             rest = [a for i, a in looked.items() if i not in ran]
             if rest and _evaluated(*rest):
@@ -551,12 +559,12 @@ class Tracker:
             nbytes = int(out.nbytes)
             self._held_bytes += nbytes
             if nbytes >= RELEASE_BYTES:
-                self._large[id(out)] = out
+                self._large[id(out)] = (out, threading.get_ident())
             by_bytes = self._held_bytes >= COMPACT_BYTES
             if len(self._held) < self._compact_at and not by_bytes:
                 return
-        # another thread compacting now: the next collective tries again. (Acquired
-        # inside the try, so that an interrupt cannot leave it held: settle waits on it.)
+        # another thread compacting now: the next collective tries again. (An interrupt
+        # landing just after the acquire leaves it held: see _compacting.)
         acquired = False
         try:
             acquired = self._compacting.acquire(blocking=False)
@@ -599,7 +607,8 @@ class Tracker:
                 self._stale_looked = len(unran)
             self._stale = stale + len(unran)
             self._held_bytes = sum(int(a.nbytes) for _, a, _ in self._held)
-            self._large = {id(a): a for _, a, _ in self._held if a.nbytes >= RELEASE_BYTES}
+            still = {id(a) for _, a, _ in self._held}
+            self._large = {i: v for i, v in self._large.items() if i in still}
             self._compact_at = max(COMPACT_AT, 2 * len(self._held))
 
     def _wrap(self, op: str, fn: Any) -> Any:
