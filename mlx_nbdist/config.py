@@ -95,9 +95,11 @@ STALE_AFTER = PUBLISH_INTERVAL * STALE_INTERVALS
 #: how long ranks may take to write their stacks when asked (a stuck rank's, on a
 #: deadline, an interrupt or %mlxdist where), seconds
 STACK_TIMEOUT = 1.0
-#: collectives smaller than this carry a tag of their position, so that one run
-#: together with another collective fails its cell (mlx_nbdist.engine.order); the tag
-#: copies the input: about 0.04 ms for 256 KB here, 24 ms for 64 MB
+#: collectives smaller than this carry a tag of their position after their data, so
+#: that one run together with another collective fails its cell
+#: (mlx_nbdist.engine.order); the tag copies the input: about 0.04 ms for 256 KB
+#: here, 24 ms for 64 MB. Larger group collectives carry it in a collective of its
+#: own; larger messages carry none
 ORDER_TAG_MAX_BYTES = 1 << 20
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from mlx_nbdist import CellError, Session
+from mlx_nbdist.results import DRAINED
 
 SWAP = (
     "a = mx.distributed.all_sum(mx.ones({shape}, dtype=mx.{dtype}) * (rank + 1), group=world)\n"
@@ -512,17 +513,84 @@ def test_another_threads_evals_do_not_read_this_threads_tags(session2: Session) 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_large_collectives_evaluated_in_another_order_still_fail(backend: str) -> None:
-    """Their tags are read when mx.eval lets them go (not at a compaction): a swap of
-    128 KiB all_sums evaluated one by one still fails the cell, on both backends."""
+    """Their tags are read when mx.eval lets them go (not at a compaction): swaps of
+    128 KiB all_sums (the tag after the data) and of 1 MiB ones (the tag apart), over
+    the world and (mpi) over a subgroup, evaluated one by one, still fail the cell."""
+    groups = ["world"] + (["world.split(0)"] if backend == "mpi" else [])
     with Session(2, backend=backend, timeout=120) as s:
-        with pytest.raises(CellError) as info:
-            s.run(SWAP.format(shape=(32768,), dtype="float32").replace(
-                "print(a.tolist(), b.tolist())", "print(a[:2].tolist(), b[:2].tolist())"))
-        text = str(info.value)
-        assert ("collective 1 of this cell (all_sum shape=(32768,) dtype=float32) ran on "
-                "rank 0 together with collective 2 of rank 1") in text, text
-        r = s.run(SWAP.format(shape=(32768,), dtype="float32").replace(
-            "mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)").replace(
-            "print(a.tolist(), b.tolist())", "print(a[:2].tolist(), b[:2].tolist())"))
-        for rank in (0, 1):
-            assert r.stdout(rank).strip() == "[3.0, 3.0] [30.0, 30.0]", r.stdout(rank)
+        for group, n in [(g, n) for g in groups for n in (32768, 1 << 18)]:
+            code = ("g = " + group + "\n" + SWAP.format(shape=(n,), dtype="float32").replace(
+                "print(a.tolist(), b.tolist())", "print(a[:2].tolist(), b[:2].tolist())")
+                    .replace("group=world", "group=g"))
+            with pytest.raises(CellError) as info:
+                s.run(code)
+            where = "of this cell" if group == "world" else "over the subgroup of ranks 0, 1"
+            assert (f"collective 1 {where} (all_sum shape=({n},) dtype=float32) ran on "
+                    "rank 0 together with collective 2 of rank 1") in str(info.value), (
+                group, n, str(info.value))
+            r = s.run(code.replace("mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+            for rank in (0, 1):
+                assert r.stdout(rank).strip() == "[3.0, 3.0] [30.0, 30.0]", r.stdout(rank)
+
+
+# ------------------------------------------------ 1 MiB and more: the tag apart
+
+#: elements of 1 MiB in a 4-byte and a 2-byte dtype: the tag goes in a collective of its own
+MIB = {"float32": 1 << 18, "bfloat16": 1 << 19}
+BIG_SWAP = (
+    "a = mx.distributed.{op}(mx.ones(({n},), dtype=mx.{dtype}) * (rank + 1), group=world)\n"
+    "b = mx.distributed.{op}(mx.ones(({n},), dtype=mx.{dtype}) * 10 * (rank + 1), "
+    "group=world)\n"
+    "if rank == 0:\n"
+    "    mx.eval(a); mx.eval(b)\n"
+    "else:\n"
+    "    mx.eval(b); mx.eval(a)\n"
+    "print(a[:2].tolist(), b[:2].tolist())"
+)
+
+
+@pytest.mark.parametrize(("op", "dtype", "right"), [
+    ("all_sum", "float32", "[3.0, 3.0] [30.0, 30.0]"),
+    ("all_max", "bfloat16", "[2.0, 2.0] [20.0, 20.0]"),
+    ("all_gather", "float32", "[1.0, 1.0] [10.0, 10.0]"),
+])
+def test_collectives_of_a_mib_evaluated_in_another_order_fail_naming_both(
+        session2: Session, op: str, dtype: str, right: str) -> None:
+    """A user trial's and a review's case: two 1 MiB collectives (gradient buckets, a
+    long sequence's activations) run in another order on one rank returned each
+    other's values without a word: they carried no tag (after the data it would copy
+    them). Their tags now go in a collective of their own, issued right after each."""
+    code = BIG_SWAP.format(op=op, n=MIB[dtype], dtype=dtype)
+    with pytest.raises(CellError) as info:
+        session2.run(code)
+    text = str(info.value)
+    assert f"collective 1 of this cell ({op} shape=({MIB[dtype]},) dtype={dtype}) ran on rank 0" in text, text
+    assert "ran them in different orders" in text
+    assert session2.state == "ready"
+    r = session2.run(code.replace("mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == right, r.stdout(rank)
+
+
+def test_a_mib_collective_a_failed_rank_left_is_drained(session2: Session) -> None:
+    """The drain's replay goes through the wrapper: it issues the tag's collective too,
+    as the stuck rank's did, so the stuck rank is released and the group stays in step."""
+    with pytest.raises(CellError) as info:
+        session2.run("if rank == 1:\n    raise RuntimeError('rank one fails')\n"
+                     f"mx.eval(mx.distributed.all_sum(mx.ones({MIB['float32']}), group=world))",
+                     timeout=60)
+    assert info.value.result.ranks[0].status == DRAINED
+    assert session2.state == "ready"
+    r = session2.run(BIG_SWAP.format(op="all_sum", n=MIB["float32"], dtype="float32").replace(
+        "mx.eval(b); mx.eval(a)", "mx.eval(a); mx.eval(b)"))
+    assert r.stdout(1).strip() == "[3.0, 3.0] [30.0, 30.0]"
+
+
+def test_a_profiled_cell_runs_mib_collectives_where_issued_with_no_false_alarm(
+        session2: Session) -> None:
+    """A profiled cell evaluates each collective where it is issued, its tag's too: a
+    later evaluation in another order reads values that are right, and says nothing."""
+    r = session2.run(BIG_SWAP.format(op="all_sum", n=MIB["float32"], dtype="float32"),
+                     profile=True)
+    for rank in (0, 1):
+        assert r.stdout(rank).strip() == "[3.0, 3.0] [30.0, 30.0]", r.stdout(rank)

@@ -77,7 +77,10 @@ def test_a_bool_messages_tag_is_zeros_and_not_checked() -> None:
 def test_what_is_not_tagged() -> None:
     assert order.width("all_sum", "bool", 2, 16) == (0, 0)
     assert order.width("sum_scatter", "float32", 2, 16) == (0, 0)
-    assert order.width("all_sum", "float32", 2, order.MAX_BYTES) == (0, 0)
+    assert order.width("send", "float32", 2, order.MAX_BYTES) == (0, 0)  # a large message
+    # a large group collective is tagged, in a collective of its own (test_evaluation_order)
+    assert order.width("all_sum", "float32", 2, order.MAX_BYTES) == order.width(
+        "all_sum", "float32", 2, 16) != (0, 0)
     assert order.width("all_sum", "float32", 1, 16) == (0, 0)
 
 

@@ -24,10 +24,17 @@ array is the rest of the output, with the input's shape and dtype; the data and 
 tag are contiguous, so the bytes on the wire do not depend on how either side laid
 them out.
 
+A group collective of ``config.ORDER_TAG_MAX_BYTES`` or more carries its tag in a
+collective of its own, issued right after it with the same op, dtype, group and
+stream (the tag after the data would copy the data): the user's array depends on
+it (``mx.depends``), so that whatever evaluates the one runs the other right after
+it, in the same order on every rank, and two large collectives run in another order
+have their tags' collectives run in that order too.
+
 Positions are told apart modulo :data:`SPAN` or more: two collectives that far apart
 look alike. Tagged: collectives over the whole group, or over a group ``Group.split``
-made (positions counted in that group, sums over its size), under
-``config.ORDER_TAG_MAX_BYTES`` (the tag copies the input), of a dtype that holds
+made (positions counted in that group, sums over its size), messages under
+``config.ORDER_TAG_MAX_BYTES`` (the tag copies the data), of a dtype that holds
 small integers exactly, and, for group collectives, run rather than traced in
 ``mx.compile`` (every rank runs the same code there; a traced tag could not be read).
 A message is tagged wherever it is issued, traced or not, because its sender and its
@@ -88,7 +95,7 @@ Plan = tuple[Callable[..., Any], tuple, dict[str, Any], Callable[[Any], tuple[An
 
 def width(op: str, dtype: str, size: int, nbytes: int) -> tuple[int, int]:
     """The digits' base and how many a tag of ``op`` has; ``(0, 0)``: not tagged."""
-    if nbytes >= MAX_BYTES:
+    if nbytes >= MAX_BYTES and op in P2P:
         return 0, 0
     return _width(op, dtype, size)
 
@@ -269,6 +276,9 @@ def call(op: str, fns: dict[str, Callable[..., Any]], x: Any, shape: tuple[int, 
             index, base, n)
     if not isinstance(x, mx.array):
         return None
+    if x.nbytes >= MAX_BYTES:  # a group collective: its tag in a collective of its own
+        ds, tag = _tag(op, index, base, n, x.dtype, 1)
+        return (_apart(fns[op], tag, kwargs.get("stream")), (x,), rest, _pair), ds
     ds, tag = _tag(op, index, base, n, x.dtype, len(shape) if lay.row else 1)
     tagged = on_stream(kwargs.get("stream"), _tagged, x, tag, lay.row)
     args = (tagged, peer) if op == "send" else (tagged,)
@@ -283,6 +293,23 @@ def on_stream(stream: Any, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     with mx.stream(stream):
         return fn(*args)
+
+
+def _apart(fn: Callable[..., Any], tag: Any, stream: Any) -> Callable[..., list[Any]]:
+    """``fn`` (a group collective) that issues, right after the user's, the same
+    collective of ``tag`` alone; returns the user's output, which depends on the tag's
+    (so both run together, the user's first), and the tag's."""
+
+    def run(x: Any, **kwargs: Any) -> list[Any]:
+        out = fn(x, **kwargs)
+        full = fn(tag, **kwargs)
+        return [on_stream(stream, mx.depends, out, full), full]
+
+    return run
+
+
+def _pair(outs: list[Any]) -> tuple[Any, Any]:
+    return outs[0], outs[1]
 
 
 def _tagged(x: Any, tag: Any, row: bool) -> Any:
