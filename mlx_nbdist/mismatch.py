@@ -104,22 +104,29 @@ def lone_trace(traces: Mapping[int, set[str]]) -> str | None:
 
 
 def first_order_problem(found: Mapping[int, Sequence[Mapping[str, Any]]],
-                        issued_alike: bool = True) -> str | None:
+                        issued_alike: bool = True,
+                        counts: Mapping[int, int] | None = None) -> str | None:
     """``found``: per rank, the collectives whose tag says they ran together with
     another collective (``engine.order.Tag.problem``). The lowest rank's first,
     described with why (``issued_alike``: the ranks' issued collectives agreed, so the
-    order they ran in is the cause); None when there is none."""
+    order they ran in is the cause); None when there is none. ``counts``: per rank,
+    how many collectives it issued in the cell: a partner's position past its count
+    was another collective's data read as a tag (one of another size ran with it),
+    and is not named."""
     problems = [(rank, p) for rank in sorted(found) for p in found[rank]]
     if not problems:
         return None
     rank, p = problems[0]
     what = describe(signature(p["op"], p["shape"], p["dtype"]))
-    withs = p.get("with") or {}
     group = p.get("group")
+    members = (group or {}).get("members")
+    world_rank = (lambda r: members[int(r)]) if members else int
+    withs = {r: n for r, n in (p.get("with") or {}).items()
+             if not n or counts is None or (group and not members)
+             or n <= counts.get(world_rank(r), n)}
     name = _rank_namer(group)
     over = ""
     if group:
-        members = group.get("members")
         over = (f" over the subgroup of ranks {', '.join(map(str, members))}" if members
                 else f" over a subgroup of {group['size']} ranks")
     if p["op"] in P2P:

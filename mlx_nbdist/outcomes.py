@@ -159,7 +159,7 @@ def order_problems(ledgers: dict[int, dict[str, Any]], ran: list[int]) -> list[s
                 problems.append(lone + ".")
     order = mismatch.first_order_problem(
         {r: led["order"] for r, led in ledgers.items() if led.get("order")},
-        issued_alike=not problems)
+        issued_alike=not problems, counts={r: led.get("n", 0) for r, led in ledgers.items()})
     if order:
         problems.append(order)
     return problems

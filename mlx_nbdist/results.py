@@ -55,6 +55,8 @@ class CollectiveRecord:
             traced by ``mx.compile`` / ``mx.vmap``: its position in that trace; for
             ``send``/``recv``: the n-th message to/from ``peer`` in that cell.
         trace: the trace it was recorded in (``compile:step#1``), ``""`` when run.
+        bare: a group collective of 1 MiB or more issued under ``mx.jvp``, which
+            carried no order tag (a drain's replay of it carries none either).
     """
 
     seq: int
@@ -68,6 +70,7 @@ class CollectiveRecord:
     check: bool = False
     group_index: int = 0
     trace: str = ""
+    bare: bool = False
 
     def describe(self) -> str:
         peer = f" peer={self.peer}" if self.peer is not None else ""

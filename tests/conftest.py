@@ -114,7 +114,7 @@ def tracked() -> Iterator[Any]:
     from mlx_nbdist.engine.tracker import OPS, TRANSFORMS, Tracker
 
     saved = [(mx.distributed, op) for op in OPS if hasattr(mx.distributed, op)]
-    saved += [(mx, name) for name in (*TRANSFORMS, "eval")]
+    saved += [(mx, name) for name in (*TRANSFORMS, "eval", "jvp")]
     saved += [(mx.distributed.Group, "split")] if hasattr(mx.distributed.Group, "split") else []
     before = [(owner, name, getattr(owner, name)) for owner, name in saved]
     world = mx.distributed.init()

@@ -594,3 +594,49 @@ def test_a_profiled_cell_runs_mib_collectives_where_issued_with_no_false_alarm(
                      profile=True)
     for rank in (0, 1):
         assert r.stdout(rank).strip() == "[3.0, 3.0] [30.0, 30.0]", r.stdout(rank)
+
+
+JVP = (
+    "x = mx.ones((512, 256)); w = mx.ones((256, 2048)) * (rank + 1)\n"
+    "def f(w):\n"
+    "    return mx.distributed.all_sum(x @ w, group=world)  # 4 MiB\n"
+    "o, t = mx.jvp(f, [w], [mx.ones_like(w)])\n"
+    "hvp = mx.jvp(mx.grad(lambda w: (f(w) ** 2).sum() / 1e6), [w], [mx.ones_like(w)])[1]\n"
+    "print(o[0][0, 0].item(), t[0][0, 0].item(), hvp[0][0, 0].item())"
+)
+
+
+def test_forward_mode_through_a_mib_collective_is_right_untagged(session2: Session) -> None:
+    """A review's case: mx.jvp (and a Hessian-vector product) through a 4 MiB all_sum
+    failed a correct cell, '[Primitive::jvp] Not implemented for Depends': the tag's
+    collective is joined by mx.depends. Under mx.jvp such a collective goes untagged,
+    as before; its drain's replay carries no tag either, so a rank left in one is
+    released."""
+    r = session2.run(JVP)
+    for rank in (0, 1):  # x @ w summed over ranks: 256 * (1 + 2); its tangent 256 * 2;
+        # the hvp: 512 rows of x, each 2 * 512 (the tangent, summed) / 1e6
+        o, t, h = map(float, r.stdout(rank).split())
+        assert (o, t) == (768.0, 512.0) and h == pytest.approx(512 * 2 * 512 / 1e6, rel=1e-5), (
+            r.stdout(rank))
+    # rank 0 waits in the primal's all_sum (the tangents' collectives are MLX's own,
+    # which no drain can replay: left unevaluated here)
+    primal = JVP.split("hvp =")[0] + "print(o[0][0, 0].item())"
+    with pytest.raises(CellError) as info:
+        session2.run("if rank == 1:\n    raise RuntimeError('rank one fails')\n" + primal,
+                     timeout=60)
+    assert info.value.result.ranks[0].status == DRAINED
+    assert session2.state == "ready"
+    assert session2.run(JVP).stdout(1).split()[:2] == ["768.0", "512.0"]
+
+
+def test_a_mib_collective_run_with_a_small_one_names_no_made_up_partner(
+        session2: Session) -> None:
+    """A review's case: a 1 MiB all_sum that ran with a 4-value one read the other's
+    data as its tag and named 'collective 2898 of rank 1' in a cell of two."""
+    with pytest.raises(CellError) as info:
+        session2.run(BIG_SWAP.format(op="all_sum", n=MIB["float32"], dtype="float32")
+                     .replace("mx.ones(({n},)".format(n=MIB["float32"]) + ", dtype=mx.float32) * 10",
+                              "mx.ones((4,), dtype=mx.float32) * 10"), timeout=60)
+    text = str(info.value)
+    assert "ran them in different orders" in text, text
+    assert "collective 2898" not in text and "together with another collective" in text, text

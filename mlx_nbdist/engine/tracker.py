@@ -135,6 +135,8 @@ class Tracker:
         self._replaying = False
         #: per thread: how deep in functions mx.compile / mx.vmap transform (tracing())
         self._transforms = threading.local()
+        #: per thread: how deep in functions ``mx.jvp`` differentiates (see _wrap_jvp)
+        self._jvp = threading.local()
         self._begin_ledger()
         #: records being evaluated by :meth:`settle` right now (published), and the
         #: error the cell ended with ("": none)
@@ -197,6 +199,7 @@ class Tracker:
         for name in TRANSFORMS:
             setattr(mx, name, self._wrap_transform(getattr(mx, name)))
         mx.eval = self._wrap_eval(mx.eval)
+        mx.jvp = self._wrap_jvp(mx.jvp)
         group = getattr(mx.distributed, "Group", None)
         if group is not None and hasattr(group, "split"):
             group.split = self._wrap_split(group.split)
@@ -299,6 +302,22 @@ class Tracker:
             self._read_tags([item[2] for item in done if item[2] is not None])
         finally:
             self._compacting.release()
+
+    def _wrap_jvp(self, jvp: Any) -> Any:
+        """``mx.jvp`` under which a group collective of 1 MiB or more carries no tag:
+        its tag's own collective is joined to it by ``mx.depends``, which MLX cannot
+        differentiate forward (``[Primitive::jvp] Not implemented for Depends``)."""
+        local = self._jvp
+
+        @functools.wraps(jvp)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            local.depth = getattr(local, "depth", 0) + 1
+            try:
+                return jvp(*args, **kwargs)
+            finally:
+                local.depth -= 1
+
+        return wrapped
 
     def _wrap_transform(self, transform: Any) -> Any:
         """``transform`` (``mx.compile``, ``mx.vmap``) whose functions, when called,
@@ -498,6 +517,7 @@ class Tracker:
         world: bool,
         check: bool = False,
         traced: bool = False,
+        bare: bool = False,
     ) -> CollectiveRecord:
         if traced:
             call = self._transforms.calls[-1]
@@ -537,7 +557,7 @@ class Tracker:
                 group_index = len(box[int(peer)])  # the n-th message to/from that peer
             rec = CollectiveRecord(
                 self.seq, op, shape, dtype, peer, nbytes, self.cell, self.cell_count, check,
-                group_index, trace,
+                group_index, trace, bare,
             )
             self.recent.append(rec)
         return rec
@@ -643,7 +663,11 @@ class Tracker:
             sub = tracker._subgroups.get(id(group))
             world = size == tracker.size and sub is None  # is_world, inline
             traced = bool(getattr(tracker._transforms, "calls", None))  # tracing(), inline
-            rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced)
+            # under mx.jvp a large group collective goes untagged (see _wrap_jvp)
+            bare = (nbytes >= order.MAX_BYTES and op not in P2P
+                    and bool(getattr(tracker._jvp, "depth", 0)))
+            rec = tracker._record(op, shape, dtype, peer, nbytes, world=world, traced=traced,
+                                  bare=bare)
             # tagged with its position, to prove the ranks ran it together (see .order)
             if traced and op not in P2P:
                 base = n = 0
@@ -659,6 +683,8 @@ class Tracker:
                     index = order.WILDCARD
                 place = (id(group), group.rank(), index, sub.members)
             else:
+                base = n = 0
+            if bare:
                 base = n = 0
             found = base and order.call(op, tracker._orig, x, shape, dtype, peer, kwargs,
                                         index, base, n, size)
@@ -939,8 +965,9 @@ def drain(tracker: Tracker, records: list[dict[str, Any]]) -> list[str]:
 def _replay(tracker: Tracker, rec: CollectiveRecord, from_rank: int | None) -> Any:
     dtype = dtypes.mx_dtype(rec.dtype)
     dist = mx.distributed
-    if (rec.trace or rec.check) and rec.op not in P2P:
-        # traced in mx.compile, or --check-collectives' own gather: it carried no tag
+    if (rec.trace or rec.check or rec.bare) and rec.op not in P2P:
+        # traced in mx.compile, --check-collectives' own gather, or a large one under
+        # mx.jvp: it carried no tag
         return tracker.original(rec.op)(mx.zeros(rec.shape, dtype=dtype), group=tracker.world)
     if rec.op not in P2P:  # through the wrapper: tagged as the peer's was (see .order)
         return getattr(dist, rec.op)(mx.zeros(rec.shape, dtype=dtype), group=tracker.world)
