@@ -311,11 +311,8 @@ class Tracker:
 
         @functools.wraps(jvp)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            local.depth = getattr(local, "depth", 0) + 1
-            try:
+            with _deeper(local):
                 return jvp(*args, **kwargs)
-            finally:
-                local.depth -= 1
 
         return wrapped
 
@@ -379,12 +376,8 @@ class Tracker:
     def internal(self) -> Iterator[None]:
         """Collectives issued inside are mlx_nbdist's own: recorded, in the ledger and
         drainable like any, but left out of the rank's totals of collectives and bytes."""
-        local = self._internal
-        local.depth = getattr(local, "depth", 0) + 1
-        try:
+        with _deeper(self._internal):
             yield
-        finally:
-            local.depth -= 1
 
     # -- per cell -----------------------------------------------------------------
     def begin_cell(self, cell: int, active_ranks: list[int] | None, check: bool) -> None:
@@ -788,6 +781,16 @@ class Tracker:
             f"{where}: {desc}. "
             "All ranks must issue the same collective with the same shape and dtype."
         )
+
+
+@contextmanager
+def _deeper(local: threading.local) -> Iterator[None]:
+    """One level deeper in ``local.depth`` (this thread's) while inside."""
+    local.depth = getattr(local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        local.depth -= 1
 
 
 def _evaluated(*arrays: Any) -> bool:
